@@ -1,0 +1,44 @@
+# The course's two commands are `make lab` and `make test`; everything else is a helper.
+# Both start with the same idempotent install (tools/install.sh), which is quick when nothing changed.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Extra package index for torch on machines without a local CPU wheel, e.g.
+#   make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+# Where JupyterLab listens.
+PORT ?= 8888
+IP   ?= 127.0.0.1
+# pytest workers; loadfile keeps each notebook on one worker.
+JOBS ?= 2
+
+.PHONY: install lab test labs run-all clean help
+
+help:
+	@echo "make lab      set up (first time) and open the course in JupyterLab"
+	@echo "make test     set up (first time) and run every test, notebook and lab check"
+	@echo "make labs     regenerate labs/ from solutions/"
+	@echo "make run-all  execute every notebook into build/executed/ and time each (instructor dry run)"
+	@echo "make clean    remove build outputs (keeps .venv)"
+
+install:
+	@PYTHON="$(PYTHON)" TORCH_INDEX="$(TORCH_INDEX)" sh tools/install.sh
+
+lab: install
+	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"
+
+test: install
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -p no:cacheprovider \
+		--nbval-lax --nbval-current-env --nbval-cell-timeout=300 --timeout=1200 \
+		tests notebooks solutions
+
+labs: install
+	$(PY) tools/make_labs.py
+
+run-all: install
+	$(PY) tools/run_all.py
+
+clean:
+	rm -rf build .pytest_cache
+	find . -name __pycache__ -prune -not -path './.venv/*' -exec rm -rf {} +

@@ -1,0 +1,341 @@
+"""Real ranks: `launch(fn, world_size)` runs `fn(ctx, *args, **kwargs)` in `world_size` processes joined by
+torch.distributed and returns every rank's result, in rank order.
+
+    results = launch(worker, 4, timeout=60)      # from a notebook cell, a script or a test
+
+Guarantees, each tested:
+  * functions defined in notebook cells work (ranks are forked, so nothing is pickled on the way in);
+  * gloo on CPU; NCCL when CUDA is present and `backend="nccl"` (then ranks are spawned: the worker must live in
+    an importable module, CUDA cannot be used in forked children);
+  * if any rank raises, the others are stopped and one `LaunchError` shows every rank's traceback (a rank that was
+    still running shows the stack where it was stuck, dumped by faulthandler before it is killed);
+  * a timeout kills everything and raises `LaunchTimeout` with every rank's stack;
+  * no child process or port outlives the call, also when the caller is interrupted (Ctrl-C / kernel interrupt):
+    the rendezvous store lives in the caller and is closed, ranks are killed by process group, and each rank
+    dies with its parent (PR_SET_PDEATHSIG).
+
+The same worker runs unchanged under `torchrun` (env:// rendezvous): when torchrun's environment is present,
+`launch` runs this process's rank only and returns all ranks' results (gathered with all_gather_object). See
+`python -m course_lib.run --help` and the README.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import io
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 120.0
+_GRACE_AFTER_ERROR = 1.5   # seconds other ranks get to finish or fail on their own after one rank raised
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed; `.failures` maps rank -> text (traceback or stack dump)."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+class LaunchTimeout(LaunchError):
+    """The job ran past its timeout; every rank was killed."""
+
+
+@dataclass
+class RankContext:
+    """What a worker gets as its first argument."""
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    local_rank: int = 0
+    comm: "object" = field(default=None, repr=False)   # course_lib.comm.Communicator over the default group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, **kwargs) -> None:
+        """print with a '[rank r]' prefix."""
+        print(f"[rank {self.rank}]", *args, **kwargs, flush=True)
+
+
+def default_backend() -> str:
+    return "gloo"
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+
+
+def _validate(world_size, timeout, backend) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size <= 0:
+        raise ValueError(f"world_size must be a positive integer (number of ranks), got {world_size!r}")
+    if world_size > 64:
+        raise ValueError(f"world_size={world_size} processes on one machine is more than this course needs; use <= 64")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which this machine does not have; use backend='gloo'")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"backend='nccl' with world_size={world_size} needs that many GPUs; "
+                         f"this machine has {torch.cuda.device_count()}")
+
+
+def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None, **kwargs) -> list:
+    """Run fn(ctx, *args, **kwargs) on `world_size` real ranks; return the list of results in rank order."""
+    backend = backend or default_backend()
+    _validate(world_size, timeout, backend)
+    if under_torchrun():
+        return _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend)
+    return _launch_local(fn, world_size, args, kwargs, timeout, backend)
+
+
+# --------------------------------------------------------------------------------------------- the rank side
+def _make_context(rank: int, world_size: int, backend: str, local_rank: int) -> RankContext:
+    from .comm import Communicator
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    return RankContext(rank, world_size, backend, device, local_rank, comm=Communicator())
+
+
+try:   # loaded here, in the parent: dlopen in a forked child of a threaded process can deadlock
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
+
+
+def _die_with_parent() -> None:
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: if the caller dies, so does this rank
+
+
+class _PrefixedStream(io.TextIOBase):
+    """Line-buffered writer to a file descriptor that prefixes each line with the rank (works under Jupyter,
+    which captures fd 1/2 of the kernel process and its children)."""
+
+    def __init__(self, fd: int, prefix: str):
+        self.fd, self.prefix, self.buf = fd, prefix, ""
+
+    def writable(self):
+        return True
+
+    def write(self, s: str) -> int:
+        self.buf += s
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            os.write(self.fd, f"{self.prefix}{line}\n".encode())
+        return len(s)
+
+    def flush(self):
+        if self.buf:
+            os.write(self.fd, f"{self.prefix}{self.buf}".encode())
+            self.buf = ""
+
+
+def _rank_main(fn, rank, world_size, backend, port, listen_fd, args, kwargs, conn, dump_path, timeout):
+    """Body of a forked/spawned rank. Never returns: exits with os._exit so the parent's atexit hooks don't run."""
+    code = 1
+    try:
+        dump = open(dump_path, "w")
+        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+        os.setpgid(0, 0)           # own process group: killpg reaches anything the rank starts
+        _die_with_parent()
+        torch.set_num_threads(1)   # forked children hang in their first matmul without this (PLATFORM.md)
+        sys.stdout = _PrefixedStream(1, "")
+        sys.stderr = _PrefixedStream(2, f"[rank {rank}] ")
+        # Rank 0 serves the rendezvous store on the socket the caller opened (no free-port race, and no store
+        # thread in the caller, whose locks a forked child could inherit held).
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0),
+                              master_listen_fd=listen_fd if rank == 0 else None,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        ctx = _make_context(rank, world_size, backend, rank)
+        result = fn(ctx, *args, **kwargs)
+        payload = ("ok", result)
+        try:
+            data = pickle.dumps(payload)
+        except Exception as e:  # an unpicklable result is the worker's bug; say so
+            data = pickle.dumps(("error", f"rank {rank} returned a value that cannot be pickled: {e!r}",
+                                 type(e).__name__, str(e), time.time()))
+        conn.send_bytes(data)
+        code = 0
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+        with contextlib.suppress(Exception):
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), type(e).__name__, str(e), time.time())))
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+# --------------------------------------------------------------------------------------------- the caller side
+def _launch_local(fn, world_size, args, kwargs, timeout, backend):
+    method = "spawn" if backend == "nccl" else "fork"
+    if method == "spawn" and getattr(fn, "__module__", "__main__") == "__main__":
+        raise ValueError("backend='nccl' starts ranks with 'spawn', which needs the worker in an importable .py "
+                         "module (a function defined in a notebook cell cannot be found by a spawned process). "
+                         "Move it into a module, or use backend='gloo'.")
+    ctx = mp.get_context(method)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    tmpdir = tempfile.mkdtemp(prefix="course-launch-")
+    procs, conns = [], []
+    try:
+        if method == "spawn":   # a spawned rank 0 cannot inherit the socket: hand over the port instead
+            listener.close()
+        for rank in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            fd = listener.fileno() if method == "fork" else None
+            p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+                            args=(fn, rank, world_size, backend, port, fd, args, kwargs, send_end,
+                                  os.path.join(tmpdir, f"rank{rank}.stack"), timeout))
+            p.start()
+            send_end.close()
+            procs.append(p)
+            conns.append(recv_end)
+        listener.close()                            # rank 0 holds the port now; it closes when rank 0 ends
+        return _collect(procs, conns, timeout, tmpdir)
+    finally:
+        listener.close()
+        _kill_all(procs)
+        for c in conns:
+            c.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _collect(procs, conns, timeout, tmpdir):
+    n = len(procs)
+    results: dict[int, object] = {}
+    failures: dict[int, str] = {}
+    first_error: tuple | None = None     # (time, rank, exception name, message): the earliest is the likely cause
+    deadline = time.monotonic() + timeout
+    error_deadline = None
+    pending = {i for i in range(n)}
+    while pending:
+        now = time.monotonic()
+        limit = deadline if error_deadline is None else min(deadline, error_deadline)
+        if now >= limit:
+            break
+        waitables = [conns[i] for i in pending] + [procs[i].sentinel for i in pending]
+        ready = mpc.wait(waitables, timeout=min(0.5, limit - now))
+        for i in list(pending):
+            if conns[i] in ready:
+                try:
+                    kind, *payload = pickle.loads(conns[i].recv_bytes())
+                except (EOFError, OSError):
+                    kind, payload = None, None
+                if kind == "ok":
+                    results[i] = payload[0]
+                    pending.discard(i)
+                elif kind == "error":
+                    failures[i] = payload[0]
+                    pending.discard(i)
+                    if first_error is None or payload[3] < first_error[0]:
+                        first_error = (payload[3], i, payload[1], payload[2])
+                    error_deadline = error_deadline or time.monotonic() + _GRACE_AFTER_ERROR
+            if i in pending and procs[i].sentinel in ready and not conns[i].poll():
+                procs[i].join(0.1)
+                failures[i] = f"rank {i} exited with code {procs[i].exitcode} without reporting a result " \
+                              f"(killed by a signal, or os._exit/sys.exit in the worker)"
+                pending.discard(i)
+                if first_error is None:
+                    first_error = (time.time(), i, "ExitedEarly", f"exit code {procs[i].exitcode}")
+                error_deadline = error_deadline or time.monotonic() + _GRACE_AFTER_ERROR
+    timed_out = bool(pending) and first_error is None
+    for i in sorted(pending):   # still running: dump where each one is, then it gets killed
+        failures[i] = _dump_stack(procs[i], os.path.join(tmpdir, f"rank{i}.stack"))
+    if not failures:
+        return [results[i] for i in range(n)]
+    if timed_out:
+        head = f"launch timed out after {timeout:g} s: rank(s) {sorted(pending)} still running and were killed. " \
+               f"A rank waiting forever usually means a send without its matching recv, or a collective that " \
+               f"not every rank called. Pass a larger timeout= if the job is just slow."
+        raise LaunchTimeout(_message(head, failures), failures)
+    _, r, ename, emsg = first_error
+    stopped = sorted(pending)
+    head = f"rank {r} raised {ename}: {emsg}" + (f"; rank(s) {stopped} were stopped" if stopped else "")
+    raise LaunchError(_message(head, failures), failures)
+
+
+def _dump_stack(proc, path) -> str:
+    if proc.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR1)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            with contextlib.suppress(OSError):
+                if os.path.getsize(path) > 0 and "File" in open(path).read():
+                    time.sleep(0.05)
+                    break
+    with contextlib.suppress(OSError):
+        text = open(path).read().strip()
+        if text:
+            return "still running when stopped; its Python stack:\n" + text
+    return "still running when stopped (no stack could be dumped)"
+
+
+def _message(head: str, failures: dict[int, str]) -> str:
+    parts = [head]
+    for rank in sorted(failures):
+        parts.append(f"\n---------------- rank {rank} ----------------\n{failures[rank].rstrip()}")
+    return "\n".join(parts)
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.pid is None:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        if p.pid is not None:
+            p.join(5)
+            with contextlib.suppress(Exception):
+                p.close()
+
+
+# --------------------------------------------------------------------------------------------- under torchrun
+def _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend):
+    env_ws = int(os.environ["WORLD_SIZE"])
+    if env_ws != world_size:
+        raise ValueError(f"launch(world_size={world_size}) but torchrun started WORLD_SIZE={env_ws} ranks; "
+                         f"pass world_size=int(os.environ['WORLD_SIZE']) or match --nnodes × --nproc-per-node")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    ctx = _make_context(rank, world_size, backend, local_rank)
+    result = fn(ctx, *args, **kwargs)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    return gathered

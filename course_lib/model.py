@@ -1,0 +1,278 @@
+"""The course's toy GPT: a decoder-only transformer small enough for a laptop CPU.
+
+Architecture follows GPT-2 (Radford et al., 2019) as written in nanoGPT (Karpathy, `model.py`): token + position
+embedding, pre-LayerNorm blocks of causal multi-head attention and a GELU MLP, final LayerNorm, LM head.
+Attention is written out as matmuls + softmax (no fused kernel) so every activation is visible and countable.
+
+Checked against:
+  * parameter count   N = V·d + T·d + L·(12d² + 13d) + 2d + V·d·[untied]     (with biases; `param_count`)
+  * training FLOPs     per token = 6·N_matmul + 12·L·T·d                       (`train_flops_per_token`;
+    N_matmul = weights of every Linear, LM head included; the 12·L·T·d term is QKᵀ and A·V, forward + 2× backward,
+    as in the PaLM paper's appendix B; the test counts matmul FLOPs with torch's FlopCounterMode and finds it exact.)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256     # byte-level tokenizer (course_lib.data)
+    seq_len: int = 64         # context length T
+    n_layer: int = 2          # L
+    n_head: int = 2
+    d_model: int = 32         # d (hidden size h in the Megatron papers)
+    mlp_ratio: int = 4        # MLP hidden = mlp_ratio * d_model
+    bias: bool = True
+    tie_weights: bool = False  # share the token embedding with the LM head (GPT-2 does)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig: n_head={self.n_head} must divide d_model={self.d_model} "
+                             f"(each head gets d_model/n_head dimensions); try n_head in "
+                             f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0][:8]}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def replace(self, **changes) -> "GPTConfig":
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "nano":   GPTConfig(seq_len=64,  n_layer=2, n_head=2, d_model=32),    # ~44 K  (unit tests, multi-rank tests)
+    "micro":  GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=64),    # ~241 K (notebook default)
+    "mini":   GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=128),   # ~0.88 M
+    "small":  GPTConfig(seq_len=256, n_layer=6, n_head=8, d_model=256),   # ~4.9 M
+    "medium": GPTConfig(seq_len=256, n_layer=8, n_head=8, d_model=448),   # ~19.7 M
+}
+
+
+def get_config(name_or_config: "str | GPTConfig", **overrides) -> GPTConfig:
+    """A preset by name (optionally with fields overridden), or a config passed through."""
+    if isinstance(name_or_config, GPTConfig):
+        return name_or_config.replace(**overrides) if overrides else name_or_config
+    try:
+        base = PRESETS[name_or_config]
+    except KeyError:
+        raise ValueError(f"unknown preset {name_or_config!r}; choose one of {sorted(PRESETS)}") from None
+    return base.replace(**overrides) if overrides else base
+
+
+# ----------------------------------------------------------------------------------------------- modules
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q/k/v projections, so tensor parallelism can split heads.
+
+    Names used by the tensor-parallel notebook (Megatron, SC'21 §2.3): wq, wk, wv are column-parallel, wo row-parallel.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_head = cfg.n_head
+        self.wq = nn.Linear(d, d, bias=cfg.bias)
+        self.wk = nn.Linear(d, d, bias=cfg.bias)
+        self.wv = nn.Linear(d, d, bias=cfg.bias)
+        self.wo = nn.Linear(d, d, bias=cfg.bias)
+        self.register_buffer("mask", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape                                   # (B, T, d)
+        nh = self.n_head
+        hs = C // nh if nh else C
+        # Under tensor parallelism wq/wk/wv hold only this rank's heads; the width tells how many.
+        local = self.wq.out_features
+        nh_local = local // hs
+        q = self.wq(x).view(B, T, nh_local, hs).transpose(1, 2)   # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, nh_local, hs).transpose(1, 2)   # (B, nh, T, hs)
+        v = self.wv(x).view(B, T, nh_local, hs).transpose(1, 2)   # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))   # (B, nh, T, T)
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
+        att = F.softmax(att, dim=-1)                               # (B, nh, T, T)
+        y = att @ v                                                # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, local)                 # (B, T, d_local)
+        return self.wo(y)                                          # (B, T, d)
+
+
+class MLP(nn.Module):
+    """d -> mlp_ratio·d -> GELU -> d. fc_in is column-parallel and fc_out row-parallel under Megatron TP."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc_in = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.fc_out = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))           # (B, T, 4d) inside, (B, T, d) out
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+# Which linears tensor parallelism splits, and how (Megatron 1D): the names are relative to a Block.
+TP_PLAN = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.wo": "row",
+           "mlp.fc_in": "column", "mlp.fc_out": "row"}
+
+
+class GPT(nn.Module):
+    """Toy GPT. `forward(idx, targets)` returns (logits, loss). Pieces are exposed for pipeline stages:
+    `embed(idx)`, `blocks[i]`, `head(x)`; `stage_bounds(n)` cuts the blocks into contiguous stages."""
+
+    def __init__(self, cfg: "GPTConfig | str" = "nano", *, seed: int = 0):
+        super().__init__()
+        cfg = get_config(cfg)
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """GPT-2 init from a private generator, so the same seed gives the same model in every process."""
+        g = torch.Generator().manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)   # GPT-2: scale residual projections
+        for name, p in self.named_parameters():                 # deterministic order; tied weights appear once
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln_f"):
+                p.fill_(1.0)
+            else:
+                std = resid_std if name.endswith(("attn.wo.weight", "mlp.fc_out.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    # pieces, so pipeline stages can run a slice of the model
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.config.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)                    # (B, T, d)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))                       # (B, T, V)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        loss = None if targets is None else lm_loss(logits, targets)
+        return logits, loss
+
+    def stage_bounds(self, n_stages: int) -> list[tuple[int, int]]:
+        return stage_bounds(self.config.n_layer, n_stages)
+
+    def tp_linears(self) -> dict[str, tuple[nn.Linear, str]]:
+        """Every linear tensor parallelism splits: 'blocks.{i}.attn.wq' -> (module, 'column' | 'row')."""
+        return {f"blocks.{i}.{name}": (blk.get_submodule(name), kind)
+                for i, blk in enumerate(self.blocks) for name, kind in TP_PLAN.items()}
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))   # mean over B·T tokens
+
+
+def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) block ranges, as even as possible (earlier stages get the extra block)."""
+    if not isinstance(n_stages, int) or n_stages <= 0:
+        raise ValueError(f"n_stages must be a positive integer, got {n_stages!r}")
+    if n_stages > n_layer:
+        raise ValueError(f"cannot cut {n_layer} blocks into {n_stages} stages; use n_stages <= n_layer "
+                         f"or a config with more layers")
+    base, extra = divmod(n_layer, n_stages)
+    bounds, start = [], 0
+    for s in range(n_stages):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+# ----------------------------------------------------------------------------------------------- counts
+def param_count(cfg: "GPTConfig | str") -> int:
+    """Exact parameter count from the config (unique parameters: a tied weight counts once)."""
+    c = get_config(cfg)
+    V, T, L, d, r = c.vocab_size, c.seq_len, c.n_layer, c.d_model, c.mlp_ratio
+    b = 1 if c.bias else 0
+    attn = 4 * d * d + b * 4 * d
+    mlp = 2 * r * d * d + b * (r * d + d)
+    lns = 2 * (d + b * d)
+    per_block = attn + mlp + lns           # = 12d² + 13d for mlp_ratio 4 with biases
+    head = 0 if c.tie_weights else V * d
+    return V * d + T * d + L * per_block + (d + b * d) + head
+
+
+def matmul_param_count(cfg: "GPTConfig | str") -> int:
+    """Parameters that take part in a matmul: every Linear weight, LM head included (not embeddings, biases, norms)."""
+    c = get_config(cfg)
+    return c.n_layer * (4 + 2 * c.mlp_ratio) * c.d_model ** 2 + c.d_model * c.vocab_size
+
+
+def train_flops_per_token(cfg: "GPTConfig | str", seq_len: int | None = None) -> int:
+    """Matmul FLOPs per token for forward + backward: 6·N_matmul + 12·L·T·d (full T×T scores, as computed here)."""
+    c = get_config(cfg)
+    T = seq_len or c.seq_len
+    return 6 * matmul_param_count(c) + 12 * c.n_layer * T * c.d_model
+
+
+def block_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
+                           elem_bytes: int = 4) -> int:
+    """Bytes one Block saves for backward, counted op by op for this implementation (fp32 by default):
+
+        elem·B·T·((8 + 2r)·d + n_head·T)  +  16·B·T  +  T²
+        └ tensors of width d: block input, ln1 out, q, k, v, attention output (reshape copy), residual, ln2 out (8d);
+          MLP: fc_in out and GELU out (2·r·d); softmax output (n_head·T per token)
+                                            └ LayerNorm mean and rstd, fp32, 2 per LN  └ the causal mask (bool)
+    With r = 4 and no dropout this is Korthikanti et al.'s sbh(34 + 5as/h) (MLSys'23) less its dropout terms:
+    16 elements of width d and one attention map per token.
+    """
+    c = get_config(cfg)
+    B, T, d, r = batch_size, seq_len or c.seq_len, c.d_model, c.mlp_ratio
+    return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 16 * B * T + T * T
+
+
+def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
+    """Bytes the whole GPT saves for backward in one forward with separate input and target tensors:
+    every block, plus the head (ln_f input and output, log-softmax output of width V, LN stats), the int64 token
+    ids and targets, the int64 positions, and cross-entropy's 4-byte total weight."""
+    c = get_config(cfg)
+    B, T = batch_size, seq_len or c.seq_len
+    head = elem_bytes * B * T * (2 * c.d_model + c.vocab_size) + 8 * B * T
+    ids = 8 * B * T * 2 + 8 * T + 4
+    return c.n_layer * block_activation_bytes(c, B, T, elem_bytes) + head + ids
+
+
+def count_parameters(model: nn.Module) -> int:
+    """sum(p.numel()) over unique parameters (what `param_count` must equal)."""
+    return sum(p.numel() for p in model.parameters())

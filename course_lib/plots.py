@@ -1,0 +1,126 @@
+"""Pictures used across the notebooks: per-rank timelines (Gantt rows), memory by category, traffic bars.
+
+Each function draws one idea on one Axes, titled, with labelled axes and units, and returns the Axes.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from .memory import CATEGORIES, MemoryReport, fmt_bytes
+
+COLORS = {"compute": "#4C72B0", "send": "#DD8452", "recv": "#55A868", "collective": "#8172B3", "barrier": "#937860",
+          "idle": "#EEEEEE"}
+MEM_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
+              "comm": "#8172B3", "other": "#BBBBBB"}
+
+
+def _ax(ax, figsize=(9, 3)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    return ax
+
+
+def plot_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", labels: bool = False, t0: float | None = None):
+    """Gantt rows, one per rank: computation on the upper lane, communication on the lower lane, so overlap shows.
+
+    `ledgers`: a list of `course_lib.comm.Ledger` (what the ranks returned). Gaps are idle time.
+    """
+    ax = _ax(ax, (10, 0.6 + 0.7 * len(ledgers)))
+    events = [e for L in ledgers for e in L.events]
+    if not events:
+        raise ValueError("plot_timeline: the ledgers hold no events")
+    t0 = min(e.t0 for e in events) if t0 is None else t0
+    for row, L in enumerate(ledgers):
+        y = len(ledgers) - 1 - row
+        for e in L.events:
+            lane = y + 0.42 if e.kind == "compute" else y + 0.02
+            ax.broken_barh([((e.t0 - t0) * 1e3, max((e.t1 - e.t0) * 1e3, 1e-3))], (lane, 0.38),
+                           facecolors=COLORS.get(e.kind, "#999999"), edgecolor="none")
+            if labels and e.kind == "compute" and e.t1 - e.t0 > 0:
+                ax.text((e.t0 + e.t1 - 2 * t0) / 2 * 1e3, lane + 0.19, e.tag, ha="center", va="center", fontsize=7,
+                        color="white")
+    ax.set_yticks([len(ledgers) - 1 - i + 0.4 for i in range(len(ledgers))])
+    ax.set_yticklabels([f"rank {L.rank}" for L in ledgers])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title)
+    kinds = sorted({e.kind for e in events}, key=list(COLORS).index)
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds] + [Patch(color="white", label="idle (gap)")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_xlim(left=0)
+    return ax
+
+
+def plot_memory(report: MemoryReport, *, ax=None, title: str = "Live memory by category", unit: str = "MiB"):
+    """Stacked live bytes by category over time, with the report's marks as vertical lines."""
+    ax = _ax(ax, (10, 3.5))
+    if not report.timeline:
+        raise ValueError("plot_memory: the report has no timeline (was timeline=False?)")
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    t = [1e3 * s for s, _ in report.timeline]
+    ys = [[snap[c] / scale for _, snap in report.timeline] for c in CATEGORIES]
+    ax.stackplot(t, ys, labels=CATEGORIES, colors=[MEM_COLORS[c] for c in CATEGORIES], step="post")
+    for s, label in report.marks:
+        ax.axvline(1e3 * s, color="k", lw=0.6, ls=":")
+        ax.text(1e3 * s, ax.get_ylim()[1] * 0.98, f" {label}", fontsize=7, va="top")
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel(f"live bytes ({unit})")
+    ax.set_title(f"{title} — peak {fmt_bytes(report.peak)}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return ax
+
+
+def plot_memory_split(splits: dict, *, ax=None, title: str = "Where memory goes", unit: str = "MiB",
+                      categories=CATEGORIES):
+    """Stacked bars, one per configuration: {label: {category: bytes}}."""
+    ax = _ax(ax, (1.8 + 1.3 * len(splits), 3.5))
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    names = list(splits)
+    bottom = [0.0] * len(names)
+    for c in categories:
+        vals = [splits[n].get(c, 0) / scale for n in names]
+        if any(vals):
+            ax.bar(names, vals, bottom=bottom, color=MEM_COLORS[c], label=c)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    return ax
+
+
+def plot_traffic(ledgers, *, key: str = "op", ax=None, title: str = "Bytes sent per rank", unit: str = "KiB"):
+    """Grouped bars: bytes each rank sent, split by op (or tag). Nominal (backend) entries are hatched."""
+    ax = _ax(ax, (8, 3.2))
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    names = sorted({getattr(e, key) for L in ledgers for e in L.events if e.sent})
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        vals, nominal = [], False
+        for L in ledgers:
+            sel = [e for e in L.events if getattr(e, key) == name]
+            vals.append(sum(e.sent for e in sel) / scale)
+            nominal |= any(e.nominal for e in sel)
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(ledgers))]
+        ax.bar(xs, vals, width, label=f"{name}{' (nominal)' if nominal else ''}", hatch="//" if nominal else None)
+    ax.set_xticks(range(len(ledgers)))
+    ax.set_xticklabels([f"rank {L.rank}" for L in ledgers])
+    ax.set_ylabel(f"bytes sent ({unit})")
+    ax.set_title(title)
+    if names:
+        ax.legend(fontsize=8)
+    return ax
+
+
+def plot_losses(curves: dict, *, ax=None, title: str = "Training loss", ref_line: float | None = None):
+    """{label: [loss per step]} as lines; an optional horizontal reference (e.g. ln V)."""
+    ax = _ax(ax, (7, 3.2))
+    for label, losses in curves.items():
+        ax.plot(range(len(losses)), losses, label=label)
+    if ref_line is not None:
+        ax.axhline(ref_line, color="grey", ls="--", lw=0.8, label=f"uniform guess ln V = {ref_line:.2f}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax

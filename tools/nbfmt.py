@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Normalise notebooks the way the repository stores them, and convert to/from py:percent for editing.
+
+    python tools/nbfmt.py notebooks/*.ipynb solutions/*.ipynb      strip outputs, counts, stray metadata; set kernel
+    python tools/nbfmt.py --check notebooks/*.ipynb                 exit 1 if any file is not normalised
+    python tools/nbfmt.py --from-py draft.py notebooks/05_x.ipynb   py:percent draft -> stored notebook
+    python tools/nbfmt.py --to-py notebooks/05_x.ipynb draft.py     stored notebook -> py:percent for editing
+
+Stored form: nbformat 4.5, no outputs, no execution counts, kernelspec 'llm-systems-course', sequential cell ids,
+cell metadata limited to `tags`, notebook metadata limited to kernelspec, language_info name and `course`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+
+KERNELSPEC = {"name": "llm-systems-course", "display_name": "Python (LLM systems course)", "language": "python"}
+
+
+def normalise(nb) -> "nbformat.NotebookNode":
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    keep = {k: nb.metadata[k] for k in ("course",) if k in nb.metadata}
+    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": {"name": "python"}, **keep})
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:03d}"
+        tags = cell.get("metadata", {}).get("tags", [])
+        cell.metadata = nbformat.from_dict({"tags": tags} if tags else {})
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        cell.pop("attachments", None) if cell.cell_type != "markdown" else None
+        cell.source = cell.source.rstrip("\n")
+    return nb
+
+
+def text_of(nb) -> str:
+    return nbformat.writes(normalise(nb)) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", type=Path)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--from-py", nargs=2, type=Path, metavar=("DRAFT_PY", "NOTEBOOK"))
+    ap.add_argument("--to-py", nargs=2, type=Path, metavar=("NOTEBOOK", "DRAFT_PY"))
+    a = ap.parse_args(argv)
+    import jupytext
+    if a.from_py:
+        src, dst = a.from_py
+        nb = jupytext.read(src, fmt="py:percent")
+        dst.write_text(text_of(nb))
+        print(f"wrote {dst}")
+        return 0
+    if a.to_py:
+        src, dst = a.to_py
+        jupytext.write(nbformat.read(src, as_version=4), dst, fmt="py:percent")
+        print(f"wrote {dst}")
+        return 0
+    bad = []
+    for p in a.paths:
+        want = text_of(nbformat.read(p, as_version=4))
+        if p.read_text() != want:
+            if a.check:
+                bad.append(str(p))
+            else:
+                p.write_text(want)
+                print(f"normalised {p}")
+    if bad:
+        print("not in stored form (outputs or stray metadata): " + ", ".join(bad) +
+              "\nrun: python tools/nbfmt.py " + " ".join(bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ this machine before they are trusted for another.
 Collective times (ring, FACTS.md §1, Thakur et al. 2005):
     all-gather / reduce-scatter   (p−1)·α + (p−1)/p·S·β
     all-reduce (ring)             2(p−1)·α + 2(p−1)/p·S·β
-    all-reduce (halving-doubling) 2·log₂p·α + 2(p−1)/p·S·β
+    all-reduce (halving-doubling) 2·log₂p·α + 2(p−1)/p·S·β  (p a power of two; else + 2(α + S·β))
     broadcast (binomial tree)     ⌈log₂p⌉·(α + S·β)
 """
 from __future__ import annotations
@@ -106,10 +106,14 @@ def ring_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
 
 
 def rhd_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
+    """Recursive halving–doubling over p' = 2^⌊log₂p⌋ ranks; when p is not a power of two the p − p' extra ranks
+    fold in first and get the result back last — two more full messages (as in collectives.all_reduce_rhd, MPICH)."""
     link = get_link(link)
     if p == 1:
         return 0.0
-    return 2 * math.ceil(math.log2(p)) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
+    pp = 1 << (p.bit_length() - 1)
+    core = 2 * int(math.log2(pp)) * link.alpha + 2 * (pp - 1) / pp * nbytes * link.beta
+    return core + (2 * (link.alpha + nbytes * link.beta) if pp != p else 0.0)
 
 
 def tree_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:

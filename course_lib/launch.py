@@ -229,14 +229,20 @@ def _launch_local(fn, world_size, args, kwargs, timeout, backend):
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+# Errors a rank raises because *another* rank failed: never the cause when a better candidate exists.
+_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
+                  "Socket Timeout", "Timed out waiting", "connection refused")
+
+
 def _collect(procs, conns, timeout, tmpdir):
+    """Wait for every rank's report; on the first failure give the others a short grace, then stop them."""
     n = len(procs)
     results: dict[int, object] = {}
     failures: dict[int, str] = {}
-    first_error: tuple | None = None     # (time, rank, exception name, message): the earliest is the likely cause
+    causes: list[tuple] = []             # (priority, time, rank, exception name, message); lowest sorts first
     deadline = time.monotonic() + timeout
     error_deadline = None
-    pending = {i for i in range(n)}
+    pending = set(range(n))
     while pending:
         now = time.monotonic()
         limit = deadline if error_deadline is None else min(deadline, error_deadline)
@@ -245,60 +251,69 @@ def _collect(procs, conns, timeout, tmpdir):
         waitables = [conns[i] for i in pending] + [procs[i].sentinel for i in pending]
         ready = mpc.wait(waitables, timeout=min(0.5, limit - now))
         for i in list(pending):
+            kind = None
             if conns[i] in ready:
                 try:
                     kind, *payload = pickle.loads(conns[i].recv_bytes())
-                except (EOFError, OSError):
-                    kind, payload = None, None
-                if kind == "ok":
-                    results[i] = payload[0]
-                    pending.discard(i)
-                elif kind == "error":
-                    failures[i] = payload[0]
-                    pending.discard(i)
-                    if first_error is None or payload[3] < first_error[0]:
-                        first_error = (payload[3], i, payload[1], payload[2])
-                    error_deadline = error_deadline or time.monotonic() + _GRACE_AFTER_ERROR
-            if i in pending and procs[i].sentinel in ready and not conns[i].poll():
-                procs[i].join(0.1)
-                failures[i] = f"rank {i} exited with code {procs[i].exitcode} without reporting a result " \
+                except (EOFError, OSError):      # the pipe closed: the rank died without a word
+                    kind = "died"
+            elif procs[i].sentinel in ready and not conns[i].poll():
+                kind = "died"
+            if kind == "ok":
+                results[i] = payload[0]
+            elif kind == "error":
+                failures[i] = payload[0]
+                symptom = any(s.lower() in payload[2].lower() for s in _PEER_SYMPTOMS)
+                causes.append((2 if symptom else 0, payload[3], i, payload[1], payload[2]))
+            elif kind == "died":
+                procs[i].join(1.0)
+                code = procs[i].exitcode
+                failures[i] = f"rank {i} exited with code {code} without reporting a result " \
                               f"(killed by a signal, or os._exit/sys.exit in the worker)"
+                causes.append((1, time.time(), i, "RankDied", f"exited with code {code} without a result"))
+            if kind is not None:
                 pending.discard(i)
-                if first_error is None:
-                    first_error = (time.time(), i, "ExitedEarly", f"exit code {procs[i].exitcode}")
-                error_deadline = error_deadline or time.monotonic() + _GRACE_AFTER_ERROR
-    timed_out = bool(pending) and first_error is None
-    for i in sorted(pending):   # still running: dump where each one is, then it gets killed
-        failures[i] = _dump_stack(procs[i], os.path.join(tmpdir, f"rank{i}.stack"))
+                if kind != "ok" and error_deadline is None:
+                    error_deadline = time.monotonic() + _GRACE_AFTER_ERROR
+    failures.update(_dump_stacks({i: procs[i] for i in pending}, tmpdir))   # where each one is stuck
     if not failures:
         return [results[i] for i in range(n)]
-    if timed_out:
+    if not causes:
         head = f"launch timed out after {timeout:g} s: rank(s) {sorted(pending)} still running and were killed. " \
                f"A rank waiting forever usually means a send without its matching recv, or a collective that " \
                f"not every rank called. Pass a larger timeout= if the job is just slow."
         raise LaunchTimeout(_message(head, failures), failures)
-    _, r, ename, emsg = first_error
+    _, _, r, ename, emsg = min(causes)
     stopped = sorted(pending)
-    head = f"rank {r} raised {ename}: {emsg}" + (f"; rank(s) {stopped} were stopped" if stopped else "")
+    head = f"rank {r} raised {ename}: {emsg}" if ename != "RankDied" else f"rank {r} {emsg}"
+    head += f"; rank(s) {stopped} were stopped" if stopped else ""
     raise LaunchError(_message(head, failures), failures)
 
 
-def _dump_stack(proc, path) -> str:
-    if proc.is_alive():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGUSR1)
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            time.sleep(0.05)
+def _dump_stacks(procs: dict, tmpdir: str, wait: float = 3.0) -> dict[int, str]:
+    """Ask every still-running rank for its Python stack (faulthandler on SIGUSR1), all at once."""
+    paths = {i: os.path.join(tmpdir, f"rank{i}.stack") for i in procs}
+    for p in procs.values():
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+    texts: dict[int, str] = {}
+    end = time.monotonic() + wait
+    while procs and time.monotonic() < end and len(texts) < len(procs):
+        time.sleep(0.05)
+        for i, path in paths.items():
             with contextlib.suppress(OSError):
-                if os.path.getsize(path) > 0 and "File" in open(path).read():
-                    time.sleep(0.05)
-                    break
-    with contextlib.suppress(OSError):
-        text = open(path).read().strip()
-        if text:
-            return "still running when stopped; its Python stack:\n" + text
-    return "still running when stopped (no stack could be dumped)"
+                text = open(path).read()
+                if "File" in text:
+                    texts[i] = text
+    time.sleep(0.1)                       # let a dump in progress finish
+    out = {}
+    for i, path in paths.items():
+        with contextlib.suppress(OSError):
+            texts[i] = open(path).read().strip()
+        out[i] = ("still running when stopped; its Python stack:\n" + texts[i]) if texts.get(i) \
+            else "still running when stopped (no stack could be dumped)"
+    return out
 
 
 def _message(head: str, failures: dict[int, str]) -> str:

@@ -112,6 +112,7 @@ class MemoryTracker(TorchDispatchMode):
         self._hooks: list = []
         self._saved_hooks = None
         self._pinned: set[int] = set()              # buffers: never relabelled as activations
+        self._saved: dict[int, list] = {}           # storage key -> [times saved, label before it was saved]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -220,14 +221,38 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _pack(self, t: torch.Tensor):
-        # Saved for backward: a temporary becomes an activation; parameters, buffers and comm buffers keep their label.
+        # Saved for backward: a temporary becomes an activation while autograd holds it; parameters, buffers and
+        # comm buffers keep their label. The returned holder tells us when autograd lets go (after backward, or
+        # when the graph is dropped); a storage still alive then (a model input, say) gets its old label back.
         storage = t.untyped_storage()
-        if storage._cdata not in self._pinned:
-            self._relabel(storage, "activations", only_from=("other",))
-        return t
+        key = storage._cdata
+        if key in self._pinned or storage.nbytes() == 0:
+            return t
+        if key not in self._saved:
+            entry = self._live.get(key)
+            if entry is not None and entry[1] not in ("other", "activations"):
+                return t
+            self._saved[key] = [0, entry[1] if entry is not None else "other"]
+            self._relabel(storage, "activations")
+        self._saved[key][0] += 1
+        return _Saved(self, key, t)
+
+    def _unsave(self, key: int) -> None:
+        ref = self._saved.get(key)
+        if ref is None:
+            return
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._saved[key]
+            entry = self._live.get(key)
+            if entry is not None and entry[1] == "activations":
+                self.current["activations"] -= entry[0]
+                entry[1] = ref[1]
+                self.current[ref[1]] += entry[0]
+                self._snapshot()
 
     def __enter__(self):
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
         return super().__enter__()
 
@@ -239,6 +264,22 @@ class MemoryTracker(TorchDispatchMode):
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+
+
+class _Saved:
+    """What autograd stores instead of a saved tensor while a tracker is active; dies when autograd lets go."""
+    __slots__ = ("tracker", "key", "tensor")
+
+    def __init__(self, tracker, key, tensor):
+        self.tracker, self.key, self.tensor = tracker, key, tensor
+
+    def __del__(self):
+        self.tensor = None              # drop our reference first: if it was the last, the storage is freed now
+        self.tracker._unsave(self.key)
+
+
+def _unpack(saved):
+    return saved.tensor if isinstance(saved, _Saved) else saved
 
 
 def _optimizer_tensors(optimizer) -> list:

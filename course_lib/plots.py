@@ -34,8 +34,10 @@ def plot_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", labels:
     for row, L in enumerate(ledgers):
         y = len(ledgers) - 1 - row
         for e in L.events:
-            lane = y + 0.42 if e.kind == "compute" else y + 0.02
-            ax.broken_barh([((e.t0 - t0) * 1e3, max((e.t1 - e.t0) * 1e3, 1e-3))], (lane, 0.38),
+            # upper lane: compute; lower lane: communication (sends below receives, so both show)
+            lane, height = {"compute": (y + 0.42, 0.38), "send": (y + 0.02, 0.18), "recv": (y + 0.21, 0.18)}.get(
+                e.kind, (y + 0.02, 0.37))
+            ax.broken_barh([((e.t0 - t0) * 1e3, max((e.t1 - e.t0) * 1e3, 1e-3))], (lane, height),
                            facecolors=COLORS.get(e.kind, "#999999"), edgecolor="none")
             if labels and e.kind == "compute" and e.t1 - e.t0 > 0:
                 ax.text((e.t0 + e.t1 - 2 * t0) / 2 * 1e3, lane + 0.19, e.tag, ha="center", va="center", fontsize=7,

@@ -1,7 +1,7 @@
 """Run a worker `fn(ctx, ...)` on real ranks from the command line — locally, or under torchrun on a cluster.
 
     python -m course_lib.run my_worker.py:worker --world-size 4            # local processes (gloo)
-    torchrun --nproc-per-node 4 -m course_lib.run my_worker.py:worker       # one node, torchrun (env://)
+    torchrun --standalone --nproc-per-node 4 -m course_lib.run my_worker.py:worker   # one node, torchrun
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
              --rdzv-endpoint HEAD_NODE:29500 -m course_lib.run my_worker.py:worker --backend nccl
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, default=None, help="ranks to start locally (ignored under torchrun)")
     ap.add_argument("--backend", default=None, choices=["gloo", "nccl"])
     ap.add_argument("--timeout", type=float, default=600.0)
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)
     fn = load_worker(a.worker)
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (a.world_size or 2)
     results = launch(fn, world_size, *a.args, timeout=a.timeout, backend=a.backend)

@@ -112,3 +112,33 @@ def sample(model: GPT, prompt: str = "The ", n: int = 120, temperature: float = 
 def uniform_loss(vocab_size: int = 256) -> float:
     """The loss of a model that knows nothing: ln(V)."""
     return math.log(vocab_size)
+
+
+def profile_training_memory(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, *, steps: int = 2,
+                            tc: TrainConfig = TrainConfig(), capacity=None, timeline: bool = True):
+    """Run `steps` training steps of a fresh model under a MemoryTracker; return (report, psi, n_param_tensors).
+
+    Two steps by default: AdamW creates its state in the first step, so the second is the steady state.
+    `capacity` (bytes or '8 MiB') turns the tracker into a simulated accelerator that raises on overflow.
+    """
+    from .memory import MemoryTracker
+
+    cfg = get_config(cfg)
+    if seq_len is not None:
+        cfg = cfg.replace(seq_len=seq_len)
+    model = GPT(cfg, seed=tc.seed)
+    opt = make_optimizer(model.parameters(), tc)
+    batches = ShardedBatches(cfg.seq_len, batch_size, seed=tc.data_seed)
+    kwargs = {"capacity": capacity, "name": f"simulated accelerator"} if capacity is not None else {}
+    with MemoryTracker(timeline=timeline, **kwargs).watch(model, opt) as mem:
+        for step in range(steps):
+            x, y = batches.global_batch(step)
+            mem.mark(f"fwd {step}")
+            _, loss = model(x, y)
+            mem.mark(f"bwd {step}")
+            loss.backward()
+            mem.mark(f"opt {step}")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    return mem.report(), sum(p.numel() for p in params), len(params)

@@ -61,7 +61,7 @@ def make_lab(solution: Path) -> str:
     """The lab notebook (as text) generated from one solution notebook."""
     nb = nbformat.read(solution, as_version=4)
     lab = copy.deepcopy(nb)
-    rel = solution.relative_to(ROOT).as_posix()
+    rel = f"solutions/{solution.name}"
     total = 0
     for i, cell in enumerate(lab.cells):
         if cell.cell_type in ("code", "markdown"):

@@ -24,6 +24,11 @@ def _value(text: str):
         return text
 
 
+def _show(path: Path) -> str:
+    path = path.resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
 def main(argv=None) -> int:
     import papermill as pm
     from tqdm import tqdm
@@ -57,14 +62,13 @@ def main(argv=None) -> int:
             status = "ok"
         except Exception as e:  # papermill stores the failing cell in the output notebook
             status, failed = f"FAILED: {type(e).__name__}", failed + 1
-        rows.append((path.relative_to(ROOT).as_posix() if path.is_absolute() else str(path),
-                     time.perf_counter() - t0, status))
+        rows.append((_show(path), time.perf_counter() - t0, status))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'notebook':<{width}}  {'seconds':>8}  status")
     for name, secs, status in rows:
         print(f"{name:<{width}}  {secs:>8.1f}  {status}")
     print(f"{'total':<{width}}  {sum(r[1] for r in rows):>8.1f}")
-    print(f"executed notebooks are in {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    print(f"executed notebooks are in {_show(args.out)}")
     return 1 if failed else 0
 
 

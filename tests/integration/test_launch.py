@@ -1,0 +1,173 @@
+"""launch(): real ranks, every rank's traceback, timeouts, nothing left behind."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.launch import LaunchError, LaunchTimeout, launch
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+def _identity(ctx, extra=0, *, scale=1):
+    assert dist.get_world_size() == ctx.world_size and dist.get_rank() == ctx.rank
+    return (ctx.rank + extra) * scale
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_returns_every_ranks_result_in_rank_order(world_size, no_leaks):
+    assert launch(_identity, world_size, 10, scale=2) == [2 * (10 + r) for r in range(world_size)]
+
+
+def test_workers_can_use_torch_after_the_parent_ran_threaded_ops(no_leaks):
+    a = torch.randn(300, 300)
+    for _ in range(5):
+        a = a @ a.T / 300            # the parent's OpenMP pool is warm now (PLATFORM.md pitfall)
+
+    def matmul(ctx):
+        x = torch.randn(200, 200)
+        return float((x @ x).shape[0])
+    assert launch(matmul, 3, timeout=30) == [200.0] * 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2", None])
+def test_bad_world_size_says_what_to_change(bad):
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        launch(_identity, bad)
+
+
+@pytest.mark.parametrize("bad", [0, -5, "10"])
+def test_bad_timeout(bad):
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        launch(_identity, 2, timeout=bad)
+
+
+def test_nccl_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the error under test is for machines without it")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        launch(_identity, 2, backend="nccl")
+
+
+def _one_rank_raises(ctx):
+    if ctx.rank == 1:
+        raise ZeroDivisionError("rank one divided by zero")
+    dist.barrier()                   # the others wait for rank 1, which never comes
+    return ctx.rank
+
+
+def test_a_raising_rank_stops_the_others_and_shows_every_traceback(no_leaks):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        launch(_one_rank_raises, 3, timeout=60)
+    msg = str(err.value)
+    assert msg.startswith("rank 1 raised ZeroDivisionError: rank one divided by zero")
+    assert set(err.value.failures) == {0, 1, 2}
+    for r in range(3):
+        assert f"---- rank {r} ----" in msg
+    assert "_one_rank_raises" in err.value.failures[1]
+    assert time.monotonic() - t0 < 30, "the others must be stopped, not left to the timeout"
+
+
+def _rank0_hangs(ctx):
+    if ctx.rank == 0:
+        time.sleep(3600)
+    return ctx.rank
+
+
+def test_a_hanging_rank_is_killed_at_the_timeout_with_its_stack(no_leaks):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout) as err:
+        launch(_rank0_hangs, 2, timeout=3)
+    assert 3 <= time.monotonic() - t0 < 20
+    assert list(err.value.failures) == [0]
+    assert "_rank0_hangs" in err.value.failures[0] and "timed out after 3 s" in str(err.value)
+
+
+def _deadlock(ctx):
+    buf = torch.zeros(4)
+    ctx.comm.recv(buf, (ctx.rank + 1) % ctx.world_size)    # everyone receives, nobody sends
+
+
+def test_a_deadlock_ends_at_the_timeout_showing_where_each_rank_waits(no_leaks):
+    with pytest.raises(LaunchTimeout) as err:
+        launch(_deadlock, 2, timeout=3)
+    assert set(err.value.failures) == {0, 1}
+    assert all("_deadlock" in text for text in err.value.failures.values())
+
+
+def _exits_hard(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_rank_that_dies_without_a_result_is_reported(no_leaks):
+    with pytest.raises(LaunchError, match="exited with code 3"):
+        launch(_exits_hard, 2, timeout=30)
+
+
+def _unpicklable(ctx):
+    return lambda: None
+
+
+def test_an_unpicklable_result_is_reported(no_leaks):
+    with pytest.raises(LaunchError, match="cannot be pickled"):
+        launch(_unpicklable, 2, timeout=30)
+
+
+def test_interrupting_the_caller_leaves_no_rank_behind(tmp_path):
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from course_lib.launch import launch
+        def sleeper(ctx):
+            print("PID", os.getpid(), flush=True)
+            time.sleep(3600)
+        try:
+            launch(sleeper, 3, timeout=600)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 3:
+        line = proc.stdout.readline()
+        assert line, "the script ended before its ranks started"
+        if line.startswith("PID"):
+            pids.append(int(line.split()[1]))
+    proc.send_signal(signal.SIGINT)                          # what Jupyter's "interrupt kernel" sends
+    out, _ = proc.communicate(timeout=30)
+    assert "INTERRUPTED" in out
+    time.sleep(0.5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"ranks {alive} outlived the interrupted caller"
+
+
+def test_the_same_worker_runs_under_torchrun(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "course_lib.run", str(ROOT / "tests/integration/_workers.py") + ":ring_sum", "16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 2, out.stdout
+    assert "'sum': 3.0" in lines[0] and "'world_size': 2" in lines[1]
+    assert "'sent': 64" in lines[0]                           # 2(N−1)/N · 16 floats · 4 bytes
+
+
+def test_run_module_launches_locally_too(no_leaks):
+    out = subprocess.run([sys.executable, "-m", "course_lib.run", "tests/integration/_workers.py:ring_sum",
+                          "--world-size", "3", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("'sum': 6.0") == 3

@@ -1,0 +1,89 @@
+"""Every notebook follows the course's conventions (CONTRIBUTING.md)."""
+import re
+import sys
+
+import pytest
+
+from ._nb import ALL, LABS, NOTEBOOKS, ROOT, SOLUTIONS, assigned_names, is_check_cell, launches_ranks, \
+    parameters_cells, read, rel
+
+sys.path.insert(0, str(ROOT / "tools"))
+import nbfmt  # noqa: E402
+
+lectures_and_solutions = pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS, ids=rel)
+
+
+def test_there_is_at_least_the_orientation_notebook_and_one_lab():
+    assert (ROOT / "notebooks" / "00_orientation.ipynb") in NOTEBOOKS and SOLUTIONS
+
+
+@pytest.mark.parametrize("path", ALL, ids=rel)
+def test_stored_without_outputs_in_normal_form(path):
+    nb = read(path)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert not cell.outputs, f"{rel(path)} cell {i} has stored outputs: run `python tools/nbfmt.py {rel(path)}`"
+            assert cell.execution_count is None, f"{rel(path)} cell {i} has an execution count"
+    assert path.read_text() == nbfmt.text_of(read(path)), \
+        f"{rel(path)} is not in stored form: run `python tools/nbfmt.py {rel(path)}`"
+
+
+@pytest.mark.parametrize("path", ALL, ids=rel)
+def test_file_names_follow_the_numbering(path):
+    pattern = r"\d\d_[a-z0-9_]+\.ipynb" if path.parent.name == "notebooks" else r"lab\d\d_[a-z0-9_]+\.ipynb"
+    assert re.fullmatch(pattern, path.name), f"{rel(path)} should be named like {pattern}"
+
+
+@lectures_and_solutions
+def test_opens_with_title_objectives_prerequisites_and_time(path):
+    first = read(path).cells[0]
+    assert first.cell_type == "markdown" and first.source.lstrip().startswith("# ")
+    for needed in ("Learning objectives", "Prerequisites", "Estimated time"):
+        assert needed in first.source, f"{rel(path)}: the first cell needs '{needed}'"
+
+
+@lectures_and_solutions
+def test_exactly_one_parameters_cell_with_every_knob(path):
+    nb = read(path)
+    cells = parameters_cells(nb)
+    assert len(cells) == 1, f"{rel(path)}: {len(cells)} cells tagged 'parameters', need exactly one"
+    names = assigned_names(cells[0].source)
+    need = {"SEED", "QUICK"} | ({"WORLD_SIZE"} if launches_ranks(nb) else set())
+    assert need <= names, f"{rel(path)}: the parameters cell must assign {sorted(need - names)}"
+
+
+@lectures_and_solutions
+def test_guards_the_environment_before_using_the_library(path):
+    code = [c for c in read(path).cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
+    assert "import course_lib" in code[0].source and "check_environment()" in code[0].source \
+        and "make lab" in code[0].source, f"{rel(path)}: the first code cell after the parameters must be the guard"
+
+
+@lectures_and_solutions
+def test_uses_the_course_kernel(path):
+    assert read(path).metadata["kernelspec"]["name"] == "llm-systems-course"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=rel)
+def test_solutions_end_with_checks_from_course_lib(path):
+    nb = read(path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    number = re.match(r"lab(\d\d)_", path.name).group(1)
+    checks = [c for c in code if is_check_cell(c)]
+    assert checks, f"{rel(path)} has no check cell calling course_lib.checks.lab{number}.check_*"
+    assert is_check_cell(code[-1]), f"{rel(path)}: the last code cell must be a check"
+    imports = "\n".join(c.source for c in code)
+    assert re.search(rf"course_lib\.checks(\.lab{number}\b| import lab{number}\b)", imports), \
+        f"{rel(path)}: checks must come from course_lib.checks.lab{number}"
+    assert (ROOT / "course_lib" / "checks" / f"lab{number}.py").exists()
+    assert (ROOT / "labs" / path.name).exists(), f"labs/{path.name} missing: run `make labs`"
+
+
+def test_labs_and_solutions_pair_up():
+    assert {p.name for p in LABS} == {p.name for p in SOLUTIONS}
+
+
+def test_readme_course_map_lists_every_notebook_and_lab():
+    readme = (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS + SOLUTIONS:
+        assert path.name in readme, f"README.md's course map does not mention {path.name}"

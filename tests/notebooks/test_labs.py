@@ -1,0 +1,108 @@
+"""Labs are generated from solutions, stay in sync, and their checks fail on the unmodified lab."""
+import re
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from ._nb import LABS, ROOT, SOLUTIONS, is_check_cell, read, rel
+
+sys.path.insert(0, str(ROOT / "tools"))
+import make_labs  # noqa: E402
+
+
+def test_labs_are_up_to_date_with_solutions():
+    out = subprocess.run([sys.executable, "tools/make_labs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_clear_solutions_keeps_indent_and_counts_lines():
+    src = "def f(x):\n    '''doc'''\n    ### BEGIN SOLUTION\n    y = x + 1\n    # a comment\n\n    return y\n    ### END SOLUTION\n"
+    out, n = make_labs.clear_solutions(src, "t")
+    assert n == 1
+    assert out == "def f(x):\n    '''doc'''\n    # YOUR CODE HERE (≈2 lines)\n    raise NotImplementedError()\n"
+
+
+def test_markdown_regions_become_your_answer_here():
+    out, n = make_labs.clear_solutions("Why?\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION", "t", markdown=True)
+    assert (out, n) == ("Why?\nYOUR ANSWER HERE", 1)
+
+
+@pytest.mark.parametrize("src, match", [
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "cannot nest"),
+    ("x = 1\n### BEGIN SOLUTION\nx = 2\n", "never closed"),
+    ("### END SOLUTION\n", "without a matching BEGIN"),
+])
+def test_nested_unterminated_or_stray_regions_are_rejected(src, match):
+    with pytest.raises(make_labs.LabError, match=match):
+        make_labs.clear_solutions(src, "t")
+
+
+def _copy_course(tmp_path):
+    for d in ("solutions", "labs"):
+        shutil.copytree(ROOT / d, tmp_path / d)
+    return tmp_path
+
+
+def test_editing_a_solution_without_regenerating_makes_the_check_fail(tmp_path):
+    root = _copy_course(tmp_path)
+    sol = root / "solutions" / "lab00_warmup.ipynb"
+    nb = nbformat.read(sol, as_version=4)
+    nb.cells[-1].source += "\n# an edit"
+    nbformat.write(nb, sol)
+    assert make_labs.main(["--check", "--root", str(root)]) == 1
+    assert make_labs.main(["--root", str(root)]) == 0 and make_labs.main(["--check", "--root", str(root)]) == 0
+
+
+def _check_cells(nb):
+    return [i for i, c in enumerate(nb.cells) if is_check_cell(c)]
+
+
+def _execute(nb, path):
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    return nb
+
+
+def _errors(cell):
+    return [o for o in cell.get("outputs", []) if o.output_type == "error"]
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("path", LABS, ids=rel)
+def test_every_check_fails_on_the_unmodified_lab_with_a_readable_message(path):
+    nb = _execute(read(path), path)
+    checks = _check_cells(nb)
+    assert checks, f"{rel(path)} has no check cells"
+    for i in checks:
+        errs = _errors(nb.cells[i])
+        assert errs, f"{rel(path)} cell {i}: the check passed on the unmodified lab — a check that cannot fail"
+        assert errs[0].ename == "CheckFailed", f"{rel(path)} cell {i}: failed with {errs[0].ename}, not CheckFailed"
+        assert errs[0].evalue.startswith("✘ "), f"{rel(path)} cell {i}: message should start with '✘ name:'"
+    others = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and i not in checks and _errors(c)]
+    for i in others:   # before the checks only the stubs may raise
+        assert _errors(nb.cells[i])[0].ename == "NotImplementedError", \
+            f"{rel(path)} cell {i} raised {_errors(nb.cells[i])[0].ename} in the unmodified lab"
+
+
+@pytest.mark.notebooks
+def test_a_solution_with_an_emptied_region_fails_its_checks(tmp_path):
+    """Deleting the body of a solution region must make the solution's checks fail (and so `make test`)."""
+    src = ROOT / "solutions" / "lab00_warmup.ipynb"
+    nb = read(src)
+    emptied = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source and emptied == 0:
+            cell.source = re.sub(r"(### BEGIN SOLUTION\n)(.*?)(\n[ \t]*### END SOLUTION)",
+                                 lambda m: m.group(1) + re.match(r"[ \t]*", m.group(2)).group(0) + "pass" + m.group(3),
+                                 cell.source, count=1, flags=re.S)
+            emptied += 1
+    target = tmp_path / src.name
+    nbformat.write(nb, target)
+    nb = _execute(read(target), src)
+    failed = [i for i in _check_cells(nb) if _errors(nb.cells[i])]
+    assert failed and _errors(nb.cells[failed[0]])[0].ename == "CheckFailed"

@@ -1,0 +1,114 @@
+"""The two commands and what stands behind them: pins, install, JupyterLab, environment errors, dry run."""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from course_lib._env import EnvironmentProblem, check_environment, check_python, pinned_requirements
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _yml_pins():
+    text = (ROOT / "environment.yml").read_text()
+    return {m.group(1).lower(): m.group(2) for m in re.finditer(r"^\s*-\s*([A-Za-z0-9_.\-]+)==(\S+)\s*$", text, re.M)}
+
+
+def test_environment_yml_carries_the_same_pins_as_pyproject():
+    assert _yml_pins() == pinned_requirements(ROOT / "pyproject.toml")
+
+
+def test_every_dependency_is_pinned_exactly_and_torch_is_the_cpu_release():
+    text = (ROOT / "pyproject.toml").read_text()
+    block = text[text.index("dependencies = ["):text.index("[tool.setuptools]")]
+    reqs = re.findall(r'^\s*"([^"]+)",?\s*$', block, re.M)
+    assert reqs and all("==" in r for r in reqs), [r for r in reqs if "==" not in r]
+    assert pinned_requirements(ROOT / "pyproject.toml")["torch"] == "2.13.0"
+
+
+def test_ci_runs_the_readme_test_command_and_nothing_else():
+    lines = [ln for ln in (ROOT / ".ci/run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[-1].strip() == "exec make test"
+    assert "make test" in (ROOT / "README.md").read_text() and "make lab" in (ROOT / "README.md").read_text()
+
+
+def test_old_python_is_refused_with_what_to_run():
+    with pytest.raises(EnvironmentProblem, match="make PYTHON=python3.11 lab"):
+        check_python((3, 9))
+
+
+def test_install_script_refuses_an_old_python(tmp_path):
+    fake = tmp_path / "python3.9"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Python 3.9.18'; exit 0; fi\nexit 1\n")
+    fake.chmod(0o755)
+    out = subprocess.run(["sh", "tools/install.sh"], cwd=ROOT, env={**os.environ, "PYTHON": str(fake)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "needs Python >= 3.10" in out.stderr and "Python 3.9.18" in out.stderr
+
+
+def test_missing_package_says_run_make_lab():
+    with pytest.raises(EnvironmentProblem, match="make lab"):
+        check_environment(verbose=False, required=("torch", "surely-not-installed-package"))
+
+
+def test_notebook_guard_without_course_lib_prints_what_to_run():
+    import nbformat
+    nb = nbformat.read(ROOT / "notebooks" / "00_orientation.ipynb", as_version=4)
+    guard = next(c.source for c in nb.cells if c.cell_type == "code" and "check_environment()" in c.source)
+    # -S: no site-packages, so course_lib is not importable — as in a kernel of another environment
+    out = subprocess.run([sys.executable, "-S", "-c", guard], capture_output=True, text=True, cwd="/", timeout=60)
+    assert out.returncode != 0
+    assert "make lab" in out.stderr and "Traceback" not in out.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_make_lab_serves_jupyterlab():
+    port = _free_port()
+    env = {**os.environ, "JUPYTER_TOKEN": "course-test-token"}
+    env.pop("DISPLAY", None)
+    proc = subprocess.Popen(["make", "lab", f"PORT={port}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=course-test-token", timeout=2) as r:
+                    status = r.status
+                    break
+            except OSError:
+                time.sleep(0.5)
+        assert status == 200, "JupyterLab's HTTP API did not answer"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/kernelspecs?token=course-test-token", timeout=5) as r:
+            assert b"llm-systems-course" in r.read(), "the course kernel is not registered"
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def test_run_all_executes_and_tabulates(tmp_path):
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("X = 1", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("assert X == 2")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "99_tiny.ipynb"
+    nbformat.write(nb, path)
+    out = subprocess.run([sys.executable, "tools/run_all.py", str(path), "-p", "X", "2", "--out", str(tmp_path / "out")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"99_tiny\.ipynb\s+\d+\.\d\s+ok", out.stdout) and (tmp_path / "out").exists()

@@ -1,26 +1,30 @@
-"""Collectives built only from the ledger's point-to-point primitives (send / recv / isend / irecv).
+"""Collectives built only from the ledger's point-to-point primitives (send / recv / sendrecv).
 
 Algorithms (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH",
-IJHPCA 2005; ring all-reduce as in Baidu's allreduce and NCCL):
+IJHPCA 2005; the ring as in Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 2009, and NCCL):
 
-    broadcast_tree      binomial tree from `root`                         root sends ⌈log₂p⌉·S, others ≤ that
-    reduce_tree         binomial tree to `root` (the reverse)
-    all_reduce_naive    everyone sends to rank 0, rank 0 reduces and sends the result to everyone
-                        rank 0 sends and receives (p−1)·S; the others S each way
-    reduce_scatter_ring p−1 steps, each rank passes one chunk right     sends S − |own chunk|
-    all_gather_ring     p−1 steps                                        sends S − |chunk (r+1) mod p|
-    all_reduce_ring     reduce-scatter + all-gather                      2(p−1)/p·S when p divides S   (FACTS §1)
-    all_reduce_rhd      recursive halving (RS) + recursive doubling (AG) (Rabenseifner); non-powers of two fold the
-                        extra ranks in first                             2(p'−1)/p'·S, p' = 2^⌊log₂p⌋
-    all_reduce_tree     binomial reduce to 0 + binomial broadcast from 0 latency-friendly: 2⌈log₂p⌉ steps
+    broadcast_tree      binomial tree from `root`, ⌈log₂p⌉ rounds        root sends ⌈log₂p⌉·S
+    reduce_tree         binomial tree to `root` (the reverse)              every non-root sends S once
+    all_reduce_naive    everyone sends to rank 0, rank 0 reduces and sends the result back
+                                                                           rank 0 sends (p−1)·S, the others S
+    all_reduce_tree     reduce_tree to 0, then broadcast_tree from 0       2⌈log₂p⌉ steps
+    reduce_scatter_ring p−1 steps, each rank passes one chunk right       sends S − |chunk r|
+    all_gather_ring     p−1 steps                                          sends S − |chunk (r+1) mod p|
+    all_reduce_ring     reduce-scatter + all-gather                        2(p−1)/p·S when p divides n  (FACTS §1)
+    all_reduce_rhd      recursive halving (RS) + recursive doubling (AG) (Rabenseifner); the p − p' ranks above
+                        p' = 2^⌊log₂p⌋ fold in first                       2(p'−1)/p'·S in the power-of-two core
 
-Every function works for any world size and any length (chunks follow `torch.tensor_split`: the first n mod p
-chunks are one element longer). Byte counts are measured by the ledger (point-to-point entries) and predicted,
-rank by rank, by the `*_bytes` functions below; tests and notebooks assert the two are equal.
+Whatever the algorithm, the ranks together send exactly 2(p−1)·S bytes: every rank's S must reach p−1 others,
+once reduced. They differ in how that load is spread over the ranks (the busiest rank sets the time on a network
+with one link per rank) and in how many steps follow one another (each costs a latency α).
+
+Every function works for any world size and any length: chunks follow `torch.tensor_split` (the first n mod p
+chunks are one element longer). Byte counts are measured by the ledger and predicted, rank by rank and exactly,
+by the `*_bytes` functions below; tests and notebooks assert the two are equal. `trace_ring_all_reduce` runs the
+real ring through a `ChunkTracer` to show which chunk moves where at each step.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -30,6 +34,17 @@ from .memory import alloc_category
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
+def _prepare(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Validate before any message moves (a rank that fails halfway would leave the others waiting forever)."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r}; use one of {REDUCE_OPS}")
+    if op == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError("collectives work in place on contiguous tensors; call .contiguous() first")
+    return tensor.view(-1)
+
+
 def _combine(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
     if op in ("sum", "avg"):
         acc.add_(other)
@@ -37,24 +52,12 @@ def _combine(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
         torch.maximum(acc, other, out=acc)
     elif op == "min":
         torch.minimum(acc, other, out=acc)
-    elif op == "product":
-        acc.mul_(other)
     else:
-        raise ValueError(f"unknown reduction {op!r}; use one of {REDUCE_OPS}")
+        acc.mul_(other)
 
 
 def _finish(t: torch.Tensor, op: str, p: int) -> torch.Tensor:
-    if op == "avg":
-        if not t.is_floating_point():
-            raise ValueError("op='avg' needs a floating-point tensor")
-        t.div_(p)
-    return t
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError("collectives work in place on contiguous tensors; call .contiguous() first")
-    return t.view(-1)
+    return t.div_(p) if op == "avg" else t
 
 
 def chunk_sizes(n: int, p: int) -> list[int]:
@@ -63,20 +66,28 @@ def chunk_sizes(n: int, p: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(p)]
 
 
+def _bounds(n: int, p: int) -> list[int]:
+    """Start offsets of the p chunks, plus n at the end."""
+    out = [0]
+    for size in chunk_sizes(n, p):
+        out.append(out[-1] + size)
+    return out
+
+
 # ============================================================================ trees
 def broadcast_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, *, tag: str = "bcast") -> torch.Tensor:
-    """Binomial-tree broadcast in place: ⌈log₂p⌉ rounds; in round k every rank that has the data sends it on."""
+    """Binomial-tree broadcast in place: ⌈log₂p⌉ rounds; in each round every rank that has the data sends it on."""
     p, r = comm.world_size, comm.rank
-    flat = _flat(tensor)
+    flat = _prepare(tensor)
     v = (r - root) % p                         # rank relative to the root
     mask = 1
-    while mask < p:                            # find my parent: the lowest set bit of v
+    while mask < p:                            # my parent differs from me in my lowest set bit
         if v & mask:
             comm.recv(flat, (v - mask + root) % p, tag=tag)
             break
         mask <<= 1
     mask >>= 1
-    while mask > 0:                            # send to children v + mask for every mask below my lowest bit
+    while mask > 0:                            # my children: v + every power of two below my lowest set bit
         if v + mask < p:
             comm.send(flat, (v + mask + root) % p, tag=tag)
         mask >>= 1
@@ -85,14 +96,14 @@ def broadcast_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, *, t
 
 def reduce_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, op: str = "sum", *,
                 tag: str = "reduce") -> torch.Tensor:
-    """Binomial-tree reduce in place: the root ends with the reduction; other ranks' tensors hold partial sums."""
+    """Binomial-tree reduce in place: the root ends with the reduction; other ranks are left with partial results."""
     p, r = comm.world_size, comm.rank
-    flat = _flat(tensor)
+    flat = _prepare(tensor, op)
     v = (r - root) % p
     with alloc_category("comm"):
         buf = torch.empty_like(flat)
     mask = 1
-    while mask < p:
+    while mask < p:                            # the broadcast's tree, walked from the leaves up
         if v & mask:
             comm.send(flat, (v - mask + root) % p, tag=tag)
             break
@@ -105,13 +116,9 @@ def reduce_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, op: str
     return tensor
 
 
-def binomial_children(v: int, p: int) -> int:
-    """How many ranks rank v (relative to the root) sends to in a binomial-tree broadcast over p ranks."""
-    low = v & -v if v else 1 << max(0, math.ceil(math.log2(p)) if p > 1 else 0)
-    return sum(1 for k in range(64) if (1 << k) < low and v + (1 << k) < p)
-
-
 def all_reduce_tree(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_tree") -> torch.Tensor:
+    """Binomial reduce to rank 0, then binomial broadcast from it: few steps, but every step carries all S bytes."""
+    _prepare(tensor, op)
     reduce_tree(comm, tensor, 0, "sum" if op == "avg" else op, tag=tag)
     broadcast_tree(comm, tensor, 0, tag=tag)
     return _finish(tensor, op, comm.world_size)
@@ -121,7 +128,7 @@ def all_reduce_tree(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *
 def all_reduce_naive(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_naive") -> torch.Tensor:
     """Gather to rank 0, reduce there, send the result back to each rank: rank 0's link carries 2(p−1)·S."""
     p, r = comm.world_size, comm.rank
-    flat = _flat(tensor)
+    flat = _prepare(tensor, op)
     if r == 0:
         with alloc_category("comm"):
             buf = torch.empty_like(flat)
@@ -143,20 +150,30 @@ def reduce_scatter_ring(comm: Communicator, tensor: torch.Tensor, op: str = "sum
     """Ring reduce-scatter: returns this rank's chunk (chunk `rank` of tensor_split(p)) of the reduction.
 
     Step s = 0..p−2: send chunk (r−s−1) mod p to the right, receive chunk (r−s−2) mod p from the left and fold it
-    in. After p−1 steps chunk r has passed through every rank. With inplace=False the input is left untouched.
+    in; after p−1 steps chunk r has passed through every rank. inplace=True accumulates in `tensor` itself
+    (returns a view of it; the other chunks are left holding partial results). inplace=False leaves `tensor`
+    untouched and needs only two chunk-sized buffers, not a copy of the whole tensor.
     """
     p, r = comm.world_size, comm.rank
-    with alloc_category("comm"):
-        flat = _flat(tensor) if inplace else _flat(tensor).clone()
-        chunks = flat.tensor_split(p)
-        buf = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype)
+    flat = _prepare(tensor, op)
+    chunks = flat.tensor_split(p)
+    if p == 1:
+        return _finish(chunks[0] if inplace else chunks[0].clone(), op, 1)
+    with alloc_category("comm"):   # chunk 0 is the largest; out of place, one buffer is sent while the other fills
+        bufs = [torch.empty(chunks[0].numel(), dtype=flat.dtype) for _ in range(1 if inplace else 2)]
     right, left = (r + 1) % p, (r - 1) % p
+    outgoing = chunks[(r - 1) % p]
     for s in range(p - 1):
-        send_c, recv_c = (r - s - 1) % p, (r - s - 2) % p
-        incoming = buf[:chunks[recv_c].numel()]
-        comm.sendrecv(chunks[send_c], right, incoming, left, tag=tag)
-        _combine(chunks[recv_c], incoming, op)
-    return _finish(chunks[r], op, p)
+        recv_c = (r - s - 2) % p
+        incoming = bufs[s % len(bufs)][:chunks[recv_c].numel()]
+        comm.sendrecv(outgoing, right, incoming, left, tag=tag)
+        if inplace:
+            _combine(chunks[recv_c], incoming, op)
+            outgoing = chunks[recv_c]
+        else:
+            _combine(incoming, chunks[recv_c], op)
+            outgoing = incoming
+    return _finish(outgoing, op, p)                       # the last chunk folded in is chunk r
 
 
 def all_gather_ring(comm: Communicator, chunk: torch.Tensor, n: int | None = None, *, tag: str = "ag_ring",
@@ -164,6 +181,7 @@ def all_gather_ring(comm: Communicator, chunk: torch.Tensor, n: int | None = Non
     """Ring all-gather: every rank's chunk (sizes as tensor_split of n over p) → the full (n,) tensor on every rank.
 
     Step s = 0..p−2: send chunk (r−s) mod p to the right, receive chunk (r−s−1) mod p from the left.
+    `out` (n elements, contiguous) receives the result; if `chunk` already is chunk r of `out`, nothing is copied.
     """
     p, r = comm.world_size, comm.rank
     n = chunk.numel() * p if n is None else n
@@ -174,8 +192,10 @@ def all_gather_ring(comm: Communicator, chunk: torch.Tensor, n: int | None = Non
     if out is None:
         with alloc_category("comm"):
             out = torch.empty(n, dtype=chunk.dtype)
-    flat = _flat(out)
-    chunks = flat.tensor_split(p)
+    if out.numel() != n or out.dtype != chunk.dtype:
+        raise ValueError(f"all_gather_ring: out must hold n={n} elements of {chunk.dtype}, "
+                         f"got {out.numel()} of {out.dtype}")
+    chunks = _prepare(out).tensor_split(p)
     if chunks[r].data_ptr() != chunk.data_ptr():
         chunks[r].copy_(chunk.reshape(-1))
     right, left = (r + 1) % p, (r - 1) % p
@@ -186,30 +206,43 @@ def all_gather_ring(comm: Communicator, chunk: torch.Tensor, n: int | None = Non
 
 def all_reduce_ring(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_ring") -> torch.Tensor:
     """Ring all-reduce in place = reduce-scatter + all-gather, each rank sending 2(p−1)/p of the buffer."""
-    if comm.world_size == 1:
-        return _finish(tensor, op, 1)
-    flat = _flat(tensor)
-    mine = reduce_scatter_ring(comm, flat, op, tag=tag, inplace=True)   # lands in chunk r of flat itself
+    flat = _prepare(tensor, op)
+    mine = reduce_scatter_ring(comm, flat, op, tag=tag, inplace=True)   # a view: chunk r of flat itself
     all_gather_ring(comm, mine, flat.numel(), tag=tag, out=flat)
     return tensor
 
 
 # ============================================================================ recursive halving-doubling
+def _rhd_schedule(v: int, pp: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """Recursive halving for virtual rank v of pp (a power of two): per step (partner, kept blocks, given blocks).
+
+    Blocks are the pp chunks of tensor_split; after the last step v keeps block v alone. The doubling phase
+    walks the same steps backwards, sending what was kept and receiving what was given.
+    """
+    steps, lo, hi, mask = [], 0, pp, pp >> 1
+    while mask:
+        partner, mid = v ^ mask, (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if v < partner else ((mid, hi), (lo, mid))
+        steps.append((partner, keep, give))
+        lo, hi = keep
+        mask >>= 1
+    return steps
+
+
 def all_reduce_rhd(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_rhd") -> torch.Tensor:
     """Rabenseifner: recursive-halving reduce-scatter then recursive-doubling all-gather over p' = 2^⌊log₂p⌋ ranks.
 
-    The r = p − p' extra ranks fold in first (even rank 2i < 2r sends everything to 2i+1 and sits out) and get the
-    result at the end. Latency 2·log₂p'·α instead of the ring's 2(p−1)·α, same bandwidth term.
+    The p − p' extra ranks fold in first (even rank 2i < 2(p−p') sends everything to 2i+1 and sits out) and get
+    the result at the end. Latency 2·log₂p'·α instead of the ring's 2(p−1)·α; same bandwidth term when p = p'.
     """
     p, r = comm.world_size, comm.rank
-    flat = _flat(tensor)
+    flat = _prepare(tensor, op)
     red = "sum" if op == "avg" else op
     pp = 1 << (p.bit_length() - 1)              # largest power of two <= p
     extra = p - pp
     with alloc_category("comm"):
         buf = torch.empty_like(flat)
-    # fold: ranks 0..2·extra−1 pair up; the odd one of each pair carries on
-    if r < 2 * extra:
+    if r < 2 * extra:                           # fold: of each pair (2i, 2i+1) the odd one carries on
         if r % 2 == 0:
             comm.send(flat, r + 1, tag=tag)
             comm.recv(flat, r + 1, tag=tag)
@@ -223,27 +256,15 @@ def all_reduce_rhd(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *,
     def real(vr: int) -> int:                   # virtual rank -> group rank
         return 2 * vr + 1 if vr < extra else vr + extra
 
-    bounds = [0]
-    for size in chunk_sizes(flat.numel(), pp):
-        bounds.append(bounds[-1] + size)
-    lo, hi = 0, pp                              # the block range [lo, hi) this rank is still responsible for
-    steps = []
-    mask = pp >> 1
-    while mask:                                 # recursive halving: keep the half containing my own block
-        partner = v ^ mask
-        mid = (lo + hi) // 2
-        keep, give = ((lo, mid), (mid, hi)) if v < partner else ((mid, hi), (lo, mid))
-        k0, k1, g0, g1 = bounds[keep[0]], bounds[keep[1]], bounds[give[0]], bounds[give[1]]
-        incoming = buf[:k1 - k0]
-        comm.sendrecv(flat[g0:g1], real(partner), incoming, real(partner), tag=tag)
-        _combine(flat[k0:k1], incoming, red)
-        steps.append((partner, keep, give))
-        lo, hi = keep
-        mask >>= 1
-    for partner, keep, give in reversed(steps):  # recursive doubling: swap halves back
-        k0, k1, g0, g1 = bounds[keep[0]], bounds[keep[1]], bounds[give[0]], bounds[give[1]]
-        comm.sendrecv(flat[k0:k1], real(partner), flat[g0:g1], real(partner), tag=tag)
-    if r < 2 * extra:                            # unfold: hand the result to my even partner
+    b = _bounds(flat.numel(), pp)
+    steps = _rhd_schedule(v, pp)
+    for partner, (k0, k1), (g0, g1) in steps:   # halving: give away half of what I hold, fold in the other half
+        incoming = buf[:b[k1] - b[k0]]
+        comm.sendrecv(flat[b[g0]:b[g1]], real(partner), incoming, real(partner), tag=tag)
+        _combine(flat[b[k0]:b[k1]], incoming, red)
+    for partner, (k0, k1), (g0, g1) in reversed(steps):   # doubling: swap the reduced halves back
+        comm.sendrecv(flat[b[k0]:b[k1]], real(partner), flat[b[g0]:b[g1]], real(partner), tag=tag)
+    if r < 2 * extra:                           # unfold: hand the result to my even partner
         comm.send(flat, r - 1, tag=tag)
     return _finish(tensor, op, p)
 
@@ -254,8 +275,7 @@ ALL_REDUCE = {"naive": all_reduce_naive, "ring": all_reduce_ring, "rhd": all_red
 def all_reduce(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "ring",
                tag: str | None = None) -> torch.Tensor:
     """Dispatch to one of ALL_REDUCE's algorithms (or 'backend' for torch.distributed's own, nominal bytes)."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"unknown reduction {op!r}; use one of {REDUCE_OPS}")
+    _prepare(tensor, op)
     if algorithm == "backend":
         return comm.all_reduce(tensor, op, tag=tag or "ar_backend")
     try:
@@ -275,7 +295,7 @@ def ring_all_gather_bytes(n: int, p: int, rank: int, elem: int) -> int:
 
 
 def ring_all_reduce_bytes(n: int, p: int, rank: int, elem: int) -> int:
-    """2(p−1)/p · n·elem when p divides n; in general n·elem counted twice less one chunk each time."""
+    """2(p−1)/p · n·elem when p divides n; in general n less one chunk, twice."""
     return ring_reduce_scatter_bytes(n, p, rank, elem) + ring_all_gather_bytes(n, p, rank, elem)
 
 
@@ -284,22 +304,80 @@ def naive_all_reduce_bytes(n: int, p: int, rank: int, elem: int) -> int:
 
 
 def tree_broadcast_bytes(n: int, p: int, rank: int, elem: int, root: int = 0) -> int:
-    return binomial_children((rank - root) % p, p) * n * elem
+    """n·elem per child in the binomial tree: v + 2^k for every 2^k below v's lowest set bit (all of them for v=0)."""
+    v = (rank - root) % p
+    low = v & -v or p
+    return sum(1 for k in range(p.bit_length()) if (1 << k) < low and v + (1 << k) < p) * n * elem
+
+
+def tree_reduce_bytes(n: int, p: int, rank: int, elem: int, root: int = 0) -> int:
+    return 0 if rank == root else n * elem
 
 
 def tree_all_reduce_bytes(n: int, p: int, rank: int, elem: int) -> int:
-    return (n * elem if rank != 0 else 0) + tree_broadcast_bytes(n, p, rank, elem)
+    return tree_reduce_bytes(n, p, rank, elem) + tree_broadcast_bytes(n, p, rank, elem)
 
 
 def rhd_all_reduce_bytes(n: int, p: int, rank: int, elem: int) -> int:
-    """Exact when p' = 2^⌊log₂p⌋ divides n: 2(p'−1)/p'·S for ranks in the power-of-two core, S for folded ranks."""
+    """Folded (even, < 2(p−p')) ranks send S; the core sends what it gives while halving and what it keeps while
+    doubling (2(p'−1)/p'·S when p' divides n), plus S for the odd ranks that hand the result back."""
     pp = 1 << (p.bit_length() - 1)
     extra = p - pp
     if rank < 2 * extra and rank % 2 == 0:
         return n * elem
-    core = 2 * (pp - 1) * n * elem // pp
-    return core + (n * elem if rank < 2 * extra else 0)
+    v = rank // 2 if rank < 2 * extra else rank - extra
+    b = _bounds(n, pp)
+    core = sum(b[g1] - b[g0] + b[k1] - b[k0] for _, (k0, k1), (g0, g1) in _rhd_schedule(v, pp))
+    return (core + (n if rank < 2 * extra else 0)) * elem
 
 
 ALL_REDUCE_BYTES = {"naive": naive_all_reduce_bytes, "ring": ring_all_reduce_bytes, "rhd": rhd_all_reduce_bytes,
                     "tree": tree_all_reduce_bytes}
+
+
+def all_reduce_steps(algorithm: str, p: int) -> int:
+    """Messages one after another on the critical path (each costs α): what the α–β model charges for latency."""
+    if p == 1:
+        return 0
+    pp = 1 << (p.bit_length() - 1)
+    return {"ring": 2 * (p - 1), "naive": 2 * (p - 1), "tree": 2 * (p - 1).bit_length(),
+            "rhd": 2 * (pp.bit_length() - 1) + (2 if pp < p else 0)}[algorithm]
+
+
+# ============================================================================ the ring, step by step
+class ChunkTracer:
+    """Stands in for a Communicator (forwards every call) and records, at each `sendrecv`, which chunk of `base`
+    this rank sends and what every chunk of `base` holds at that moment; `snapshot()` adds a last state.
+
+    Run the real algorithm through it, with `base` = 1 << rank in int64 and op='sum': a chunk's value is then the
+    bit set of the ranks whose contribution it already holds (the picture of the ring step by step).
+    """
+
+    def __init__(self, comm: Communicator, base: torch.Tensor):
+        self.comm, self.base, self.rank, self.world_size = comm, base, comm.rank, comm.world_size
+        self.starts = _bounds(base.numel(), comm.world_size)[:-1]
+        self.steps: list[dict] = []
+
+    def _chunk_of(self, t: torch.Tensor) -> int | None:
+        off = (t.data_ptr() - self.base.data_ptr()) // self.base.element_size()
+        return self.starts.index(off) if off in self.starts else None   # None: sent from a scratch buffer
+
+    def snapshot(self) -> list[int]:
+        return [int(self.base[s]) for s in self.starts]
+
+    def sendrecv(self, send_tensor, dst, recv_tensor, src, *, tag=""):
+        self.steps.append({"chunk": self._chunk_of(send_tensor), "dst": dst, "src": src, "holds": self.snapshot()})
+        return self.comm.sendrecv(send_tensor, dst, recv_tensor, src, tag=tag)
+
+    def __getattr__(self, name):                # send, recv, ledger, ...: the real communicator's
+        return getattr(self.comm, name)
+
+
+def trace_ring_all_reduce(comm: Communicator, chunk_len: int = 1) -> dict:
+    """Run all_reduce_ring through a ChunkTracer on p·chunk_len elements; return the sends and states per step."""
+    p, r = comm.world_size, comm.rank
+    x = torch.full((p * chunk_len,), 1 << r, dtype=torch.int64)
+    tracer = ChunkTracer(comm, x)
+    all_reduce_ring(tracer, x, "sum", tag="ar_ring_trace")
+    return {"rank": r, "sent": [s["chunk"] for s in tracer.steps], "dst": [s["dst"] for s in tracer.steps],
+            "holds": [s["holds"] for s in tracer.steps] + [tracer.snapshot()]}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +108,7 @@ class Handle:
         if self.done:
             return
         self._work.wait()
+        self._comm._retire(self._work)
         kind, op, tag, nbytes, peer, t0 = self._args
         self._comm._log(kind, op, tag, t0, nbytes if kind == "send" else 0, nbytes if kind == "recv" else 0, peer)
         self.done = True
@@ -134,6 +135,12 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.ledger = ledger or Ledger(dist.get_rank(), self.world_size)
+        # Completed gloo point-to-point works, kept a little longer: destroying one right after its wait() can
+        # stall the next receive for one scheduler tick (~4 ms here, measured), which would swamp small messages.
+        self._retired: deque = deque(maxlen=8)
+
+    def _retire(self, work) -> None:
+        self._retired.append(work)
 
     # ------------------------------------------------------------------ trace
     def _log(self, kind, op, tag, t0, sent=0, recv=0, peer=None, nominal=False):
@@ -156,15 +163,10 @@ class Communicator:
 
     # ------------------------------------------------------------------ point-to-point
     def send(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> None:
-        t0 = time.perf_counter()
-        dist.send(tensor.contiguous(), self._global(dst), group=self.group)
-        self._log("send", "send", tag, t0, sent=_nbytes(tensor), peer=dst)
+        self.isend(tensor, dst, tag=tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: int, *, tag: str = "") -> torch.Tensor:
-        _check_contiguous(tensor)
-        t0 = time.perf_counter()
-        dist.recv(tensor, self._global(src), group=self.group)
-        self._log("recv", "recv", tag, t0, recv=_nbytes(tensor), peer=src)
+        self.irecv(tensor, src, tag=tag).wait()
         return tensor
 
     def isend(self, tensor: torch.Tensor, dst: int, *, tag: str = "") -> Handle:

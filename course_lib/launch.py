@@ -100,13 +100,21 @@ def _validate(world_size, timeout, backend) -> None:
                          f"this machine has {torch.cuda.device_count()}")
 
 
-def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None, **kwargs) -> list:
-    """Run fn(ctx, *args, **kwargs) on `world_size` real ranks; return the list of results in rank order."""
+def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
+           start_method: str | None = None, **kwargs) -> list:
+    """Run fn(ctx, *args, **kwargs) on `world_size` real ranks; return the list of results in rank order.
+
+    start_method: 'fork' (default with gloo: works for functions defined in notebook cells) or 'spawn' (default
+    with NCCL; needs `fn` in an importable module, and costs a few seconds per launch for importing torch).
+    """
     backend = backend or default_backend()
     _validate(world_size, timeout, backend)
+    method = start_method or ("spawn" if backend == "nccl" else "fork")
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend)
-    return _launch_local(fn, world_size, args, kwargs, timeout, backend)
+    return _launch_local(fn, world_size, args, kwargs, timeout, backend, method)
 
 
 # --------------------------------------------------------------------------------------------- the rank side
@@ -193,12 +201,11 @@ def _rank_main(fn, rank, world_size, backend, port, listen_fd, args, kwargs, con
 
 
 # --------------------------------------------------------------------------------------------- the caller side
-def _launch_local(fn, world_size, args, kwargs, timeout, backend):
-    method = "spawn" if backend == "nccl" else "fork"
+def _launch_local(fn, world_size, args, kwargs, timeout, backend, method):
     if method == "spawn" and getattr(fn, "__module__", "__main__") == "__main__":
-        raise ValueError("backend='nccl' starts ranks with 'spawn', which needs the worker in an importable .py "
-                         "module (a function defined in a notebook cell cannot be found by a spawned process). "
-                         "Move it into a module, or use backend='gloo'.")
+        raise ValueError("ranks started with 'spawn' (always so with backend='nccl') need the worker in an importable "
+                         ".py module: a function defined in a notebook cell cannot be found by a spawned process. "
+                         "Move it into a module, or use backend='gloo' with the default 'fork'.")
     ctx = mp.get_context(method)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -227,6 +234,10 @@ def _launch_local(fn, world_size, args, kwargs, timeout, backend):
         for c in conns:
             c.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+        if method == "spawn":   # spawn starts multiprocessing's resource-tracker process; it must not outlive us
+            with contextlib.suppress(Exception):
+                from multiprocessing import resource_tracker
+                resource_tracker._resource_tracker._stop()
 
 
 # Errors a rank raises because *another* rank failed: never the cause when a better candidate exists.

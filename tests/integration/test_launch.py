@@ -171,3 +171,21 @@ def test_run_module_launches_locally_too(no_leaks):
                           "--world-size", "3", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("'sum': 6.0") == 3
+
+
+def test_spawned_ranks_run_an_importable_worker(no_leaks):
+    import sys
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    import _workers
+    res = launch(_workers.ring_sum, 2, "4", start_method="spawn", timeout=120)
+    assert [r["sum"] for r in res] == [3.0, 3.0] and res[0]["sent"] == 16
+
+
+def test_spawn_refuses_a_function_defined_in_main():
+    def local(ctx):
+        return 1
+    local.__module__ = "__main__"
+    with pytest.raises(ValueError, match="importable"):
+        launch(local, 2, start_method="spawn")
+    with pytest.raises(ValueError, match="start_method"):
+        launch(_identity, 2, start_method="forkserver")

@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 # Where JupyterLab listens.
 PORT ?= 8888
 IP   ?= 127.0.0.1
-# pytest workers; loadfile keeps each notebook on one worker.
+# pytest workers; loadscope keeps each notebook (and each test module or class) on one worker.
 JOBS ?= 2
 
 .PHONY: install lab test labs run-all clean help
@@ -29,7 +29,7 @@ lab: install
 	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"
 
 test: install
-	$(PY) -m pytest -n $(JOBS) --dist loadfile -p no:cacheprovider \
+	$(PY) -m pytest -n $(JOBS) --dist loadscope -p no:cacheprovider -rs \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=300 --timeout=1200 \
 		tests notebooks solutions
 

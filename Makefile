@@ -28,8 +28,10 @@ install:
 lab: install
 	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"
 
+# One BLAS/OpenMP thread per process: the workers already fill the cores, and spinning OpenMP threads on an
+# oversubscribed machine made notebook 00 run 3-4x slower than alone.
 test: install
-	$(PY) -m pytest -n $(JOBS) --dist loadscope -p no:cacheprovider -rs \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) --dist loadscope -p no:cacheprovider -rs --durations=10 \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=300 --timeout=1200 \
 		tests notebooks solutions
 

@@ -10,6 +10,10 @@ show it (`show_source`) and measure it.
     launch       real ranks: processes joined by torch.distributed, with timeouts and tracebacks
     comm         the traffic ledger: a thin communicator recording bytes per rank, op and tag
     collectives  broadcast / reduce / all-reduce / all-gather / reduce-scatter built from send/recv
+    transports   TCP / shared-memory / memcpy measurements between two processes; the RDMA/GPUDirect path model
+    ddp          data parallelism: naive, bucketed and overlapped gradient all-reduce (any nn.Module)
+    zero         ZeRO-1/2: a sharded optimizer wrapping any torch.optim class
+    fsdp         ZeRO-3 / FSDP: parameters sharded per unit, gathered for compute
     costmodel    alpha-beta link model with sourced presets and a calibration helper ("modeled")
     plots        per-rank timelines, memory by category, traffic bars
     checks       lab checks: one pass line with the measured figure, or one failure with a hint

@@ -26,12 +26,25 @@ real ring through a `ChunkTracer` to show which chunk moves where at each step.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .comm import Communicator
 from .memory import alloc_category
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def _releasing(fn):
+    """Hand the communicator's finished transfers back when the collective returns, so no buffer stays pinned."""
+    @functools.wraps(fn)
+    def wrapper(comm, *args, **kwargs):
+        try:
+            return fn(comm, *args, **kwargs)
+        finally:
+            comm.release()
+    return wrapper
 
 
 def _prepare(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -75,6 +88,7 @@ def _bounds(n: int, p: int) -> list[int]:
 
 
 # ============================================================================ trees
+@_releasing
 def broadcast_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, *, tag: str = "bcast") -> torch.Tensor:
     """Binomial-tree broadcast in place: ⌈log₂p⌉ rounds; in each round every rank that has the data sends it on."""
     p, r = comm.world_size, comm.rank
@@ -94,6 +108,7 @@ def broadcast_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, *, t
     return tensor
 
 
+@_releasing
 def reduce_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, op: str = "sum", *,
                 tag: str = "reduce") -> torch.Tensor:
     """Binomial-tree reduce in place: the root ends with the reduction; other ranks are left with partial results."""
@@ -116,6 +131,7 @@ def reduce_tree(comm: Communicator, tensor: torch.Tensor, root: int = 0, op: str
     return tensor
 
 
+@_releasing
 def all_reduce_tree(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_tree") -> torch.Tensor:
     """Binomial reduce to rank 0, then binomial broadcast from it: few steps, but every step carries all S bytes."""
     _prepare(tensor, op)
@@ -125,6 +141,7 @@ def all_reduce_tree(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *
 
 
 # ============================================================================ naive
+@_releasing
 def all_reduce_naive(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_naive") -> torch.Tensor:
     """Gather to rank 0, reduce there, send the result back to each rank: rank 0's link carries 2(p−1)·S."""
     p, r = comm.world_size, comm.rank
@@ -145,6 +162,7 @@ def all_reduce_naive(comm: Communicator, tensor: torch.Tensor, op: str = "sum", 
 
 
 # ============================================================================ ring
+@_releasing
 def reduce_scatter_ring(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "rs_ring",
                         inplace: bool = False) -> torch.Tensor:
     """Ring reduce-scatter: returns this rank's chunk (chunk `rank` of tensor_split(p)) of the reduction.
@@ -176,6 +194,7 @@ def reduce_scatter_ring(comm: Communicator, tensor: torch.Tensor, op: str = "sum
     return _finish(outgoing, op, p)                       # the last chunk folded in is chunk r
 
 
+@_releasing
 def all_gather_ring(comm: Communicator, chunk: torch.Tensor, n: int | None = None, *, tag: str = "ag_ring",
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Ring all-gather: every rank's chunk (sizes as tensor_split of n over p) → the full (n,) tensor on every rank.
@@ -204,6 +223,7 @@ def all_gather_ring(comm: Communicator, chunk: torch.Tensor, n: int | None = Non
     return out
 
 
+@_releasing
 def all_reduce_ring(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_ring") -> torch.Tensor:
     """Ring all-reduce in place = reduce-scatter + all-gather, each rank sending 2(p−1)/p of the buffer."""
     flat = _prepare(tensor, op)
@@ -229,6 +249,7 @@ def _rhd_schedule(v: int, pp: int) -> list[tuple[int, tuple[int, int], tuple[int
     return steps
 
 
+@_releasing
 def all_reduce_rhd(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_rhd") -> torch.Tensor:
     """Rabenseifner: recursive-halving reduce-scatter then recursive-doubling all-gather over p' = 2^⌊log₂p⌋ ranks.
 

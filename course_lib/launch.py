@@ -201,11 +201,20 @@ def _rank_main(fn, rank, world_size, backend, port, listen_fd, args, kwargs, con
 
 
 # --------------------------------------------------------------------------------------------- the caller side
+def _warm_imports() -> None:
+    """torch.optim imports torch._dynamo the first time an optimizer is built (1–5 s here). Done once in the
+    caller, every forked rank inherits it instead of paying it again."""
+    with contextlib.suppress(Exception):
+        import torch._dynamo  # noqa: F401
+
+
 def _launch_local(fn, world_size, args, kwargs, timeout, backend, method):
     if method == "spawn" and getattr(fn, "__module__", "__main__") == "__main__":
         raise ValueError("ranks started with 'spawn' (always so with backend='nccl') need the worker in an importable "
                          ".py module: a function defined in a notebook cell cannot be found by a spawned process. "
                          "Move it into a module, or use backend='gloo' with the default 'fork'.")
+    if method == "fork":
+        _warm_imports()
     ctx = mp.get_context(method)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

@@ -47,4 +47,25 @@ def check(name: str):
         raise CheckFailed(f"✘ {name}: the check ended without a verdict (a bug in the check)")
 
 
-__all__ = ["CheckFailed", "check"]
+NOT_IMPLEMENTED = "__not_implemented__"   # what a rank returns when the learner's stub raised NotImplementedError
+
+
+def run_ranks(c: _Check, worker, world_size: int, *args, timeout: float = 60, hang_hint: str = ""):
+    """launch(worker, world_size, *args) for a check: a hang or a crash on any rank becomes one readable
+    CheckFailed line; a rank that returned NOT_IMPLEMENTED turns into 'not implemented yet'."""
+    from ..launch import LaunchError, LaunchTimeout, launch
+    try:
+        results = launch(worker, world_size, *args, timeout=timeout)
+    except LaunchTimeout:
+        raise CheckFailed(f"✘ {c.name}: your code did not finish within {timeout:g} s on {world_size} ranks"
+                          + (f"\n  hint: {hang_hint}" if hang_hint else "")) from None
+    except LaunchError as e:
+        rank = min(e.failures)
+        tail = "\n".join(e.failures[rank].strip().splitlines()[-3:])
+        raise CheckFailed(f"✘ {c.name}: on {world_size} ranks {str(e).splitlines()[0]}\n{tail}") from None
+    if any(isinstance(r, str) and r == NOT_IMPLEMENTED for r in results):
+        raise NotImplementedError
+    return results
+
+
+__all__ = ["CheckFailed", "check", "run_ranks", "NOT_IMPLEMENTED"]

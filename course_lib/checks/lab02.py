@@ -17,12 +17,10 @@ import torch.distributed as dist
 
 from .. import costmodel
 from ..collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ..launch import LaunchError, LaunchTimeout, launch
-from . import CheckFailed, check
+from . import NOT_IMPLEMENTED, check, run_ranks
 
 CLUSTERS = ((2, 2), (3, 2))                 # (nodes, gpus_per_node) run on real ranks
 TIMEOUT = 30                # seconds per launch: a correct run takes a few; a hang is a bug
-_NOT_IMPLEMENTED = "__not_implemented__"
 
 
 def reference_groups(comm, gpus_per_node: int):
@@ -54,27 +52,16 @@ def hierarchical_time_reference(intra_link, inter_link, nbytes: float, nodes: in
 
 # ----------------------------------------------------------------------------------------- running learner code
 def _run(c, worker, world_size: int, *args):
-    """launch(), with the learner's failures turned into one readable line."""
-    try:
-        results = launch(worker, world_size, *args, timeout=TIMEOUT)
-    except LaunchTimeout:
-        raise CheckFailed(f"✘ {c.name}: your code did not finish within {TIMEOUT} s on {world_size} ranks\n"
-                          f"  hint: every rank must create every group, in the same order (new_group is collective), "
-                          f"and every send needs its matching recv") from None
-    except LaunchError as e:
-        rank = min(e.failures)
-        tail = "\n".join(e.failures[rank].strip().splitlines()[-3:])
-        raise CheckFailed(f"✘ {c.name}: on {world_size} ranks {str(e).splitlines()[0]}\n{tail}") from None
-    if any(r == _NOT_IMPLEMENTED for r in results):
-        raise NotImplementedError
-    return results
+    return run_ranks(c, worker, world_size, *args, timeout=TIMEOUT,
+                     hang_hint="every rank must create every group, in the same order (new_group "
+                               "is collective), and every send needs its matching recv")
 
 
 def _groups_worker(ctx, make_groups, gpus_per_node):
     try:
         intra, inter = make_groups(ctx.comm, gpus_per_node)
     except NotImplementedError:
-        return _NOT_IMPLEMENTED
+        return NOT_IMPLEMENTED
     return [None if g is None else (list(g.global_ranks), g.name) for g in (intra, inter)]
 
 
@@ -94,7 +81,7 @@ def _all_reduce_worker(ctx, hier, gpus_per_node, cases):
         try:
             hier(intra, inter, y, op)
         except NotImplementedError:
-            return _NOT_IMPLEMENTED
+            return NOT_IMPLEMENTED
         cross = same = nominal = 0
         for e in comm.ledger.events:
             if e.nominal:

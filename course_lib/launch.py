@@ -20,6 +20,7 @@ The same worker runs unchanged under `torchrun` (env:// rendezvous): when torchr
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -95,8 +96,9 @@ def _validate(world_size, timeout, backend) -> None:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, which this machine does not have; use backend='gloo'")
-    if backend == "nccl" and world_size > torch.cuda.device_count():
-        raise ValueError(f"backend='nccl' with world_size={world_size} needs that many GPUs; "
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if backend == "nccl" and local > torch.cuda.device_count():
+        raise ValueError(f"backend='nccl' with {local} ranks on this machine needs that many GPUs; "
                          f"this machine has {torch.cuda.device_count()}")
 
 
@@ -369,8 +371,18 @@ def _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+        # Tear the group down before the interpreter does: a process group left to finalization can abort the
+        # process ("terminate called without an active exception") after the work is done.
+        atexit.register(_destroy_group)
     ctx = _make_context(rank, world_size, backend, local_rank)
     result = fn(ctx, *args, **kwargs)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
+    ctx.comm.release()
     return gathered
+
+
+def _destroy_group() -> None:
+    with contextlib.suppress(Exception):
+        dist.barrier()
+        dist.destroy_process_group()

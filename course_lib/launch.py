@@ -77,10 +77,6 @@ class RankContext:
         print(f"[rank {self.rank}]", *args, **kwargs, flush=True)
 
 
-def default_backend() -> str:
-    return "gloo"
-
-
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
 
@@ -109,7 +105,7 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend
     start_method: 'fork' (default with gloo: works for functions defined in notebook cells) or 'spawn' (default
     with NCCL; needs `fn` in an importable module, and costs a few seconds per launch for importing torch).
     """
-    backend = backend or default_backend()
+    backend = backend or "gloo"          # NCCL only on request: it needs spawn, which notebook functions can't use
     _validate(world_size, timeout, backend)
     method = start_method or ("spawn" if backend == "nccl" else "fork")
     if method not in ("fork", "spawn"):

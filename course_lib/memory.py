@@ -146,13 +146,13 @@ class MemoryTracker(TorchDispatchMode):
             self.current[entry[1]] -= entry[0]
             self._snapshot()
 
-    def _relabel(self, storage, category: str, only_from: tuple = ()) -> None:
+    def _relabel(self, storage, category: str) -> None:
         if storage.nbytes() == 0:
             return
         entry = self._live.get(storage._cdata)
         if entry is None:
             self._add(storage, category)
-        elif entry[1] != category and (not only_from or entry[1] in only_from):
+        elif entry[1] != category:
             self.current[entry[1]] -= entry[0]
             entry[1] = category
             self.current[category] += entry[0]

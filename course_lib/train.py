@@ -51,12 +51,11 @@ class TrainResult:
     model: GPT = field(repr=False)
     optimizer: torch.optim.Optimizer = field(repr=False)
     seconds: float = 0.0
+    tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
-        return self._tokens / self.seconds if self.seconds else float("nan")
-
-    _tokens: int = 0
+        return self.tokens / self.seconds if self.seconds else float("nan")
 
 
 def train_reference(cfg: "GPTConfig | str" = "micro", tc: TrainConfig = TrainConfig(), *, progress: bool = True,

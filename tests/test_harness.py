@@ -78,18 +78,27 @@ def test_make_lab_serves_jupyterlab():
     env = {**os.environ, "JUPYTER_TOKEN": "course-test-token"}
     env.pop("DISPLAY", None)
     proc = subprocess.Popen(["make", "lab", f"PORT={port}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline, status = time.monotonic() + 120, None
-        while time.monotonic() < deadline and proc.poll() is None:
+        # Wait for the URL Jupyter prints once it listens, and talk only to that port: probing a port before
+        # anyone owns it could hit another test's gloo rank that the OS gave the same ephemeral port.
+        url, deadline = None, time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
+            url = m.group(1) if m else None
+        assert url, "JupyterLab never printed its URL"
+        status = None
+        while status is None and time.monotonic() < deadline:   # the URL is logged just before the loop serves
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=course-test-token", timeout=2) as r:
+                with urllib.request.urlopen(f"{url}/api/status?token=course-test-token", timeout=5) as r:
                     status = r.status
-                    break
             except OSError:
-                time.sleep(0.5)
+                time.sleep(0.3)
         assert status == 200, "JupyterLab's HTTP API did not answer"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/kernelspecs?token=course-test-token", timeout=5) as r:
+        with urllib.request.urlopen(f"{url}/api/kernelspecs?token=course-test-token", timeout=10) as r:
             assert b"llm-systems-course" in r.read(), "the course kernel is not registered"
     finally:
         os.killpg(proc.pid, 15)

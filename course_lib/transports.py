@@ -318,7 +318,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
 def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int = 1, cpu_bytes: int | None = None,
                        cpu_messages: int | None = None, verify: bool = False, seed: int = 0,
                        timeout: float = DEFAULT_TIMEOUT, fault: str | None = None) -> TransportMeasurement:
-    """Measure every path between two real processes (ranks of `course_lib.launch.launch`); see the module docstring.
+    """Measure every path between two real processes (ranks of `course_lib.dist.launch.launch`); see the module docstring.
 
     sizes: message sizes in bytes (default `message_sizes()`, 8 B … 16 MiB); cpu_bytes: message size of the CPU
     block (default: the largest size), sent `cpu_messages` times per path (default: enough for 128 MiB, so the
@@ -330,7 +330,7 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
     them (the shared buffer is "registered" before any message, like RDMA memory registration) and this function
     closes them whatever happens; `launch` kills both ranks on error or timeout.
     """
-    from .launch import launch
+    from .dist.launch import launch
 
     sizes = [int(s) for s in (sizes if sizes is not None else message_sizes())]
     paths = tuple(paths)
@@ -759,7 +759,7 @@ def measure_staged_send(send_fns: dict, nbytes: int = 32 * MiB, chunk_bytes: int
     (all bytes there), and the byte comparison happens outside it. Functions defined in a notebook cell work (ranks
     are forked).
     """
-    from .launch import launch
+    from .dist.launch import launch
     if nbytes < 1 or chunk_bytes < 1 or slots < 1 or repeats < 1 or staging_ratio <= 0:
         raise ValueError("need nbytes >= 1, chunk_bytes >= 1, slots >= 1, repeats >= 1, staging_ratio > 0")
     if staging_bandwidth is not None and staging_bandwidth <= 0:

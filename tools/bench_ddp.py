@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark (not a test): step time of course_lib.ddp's wrappers vs PyTorch's DistributedDataParallel, same model,
+"""Benchmark (not a test): step time of course_lib.parallel.dp's wrappers vs PyTorch's DistributedDataParallel, same model,
 same batches, same bucket cap, on real gloo ranks. Prints medians and ratios; asserts nothing (timings on a shared
 machine are noisy — compare ratios, and rerun).
 
@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from course_lib import ddp as D
-    from course_lib.launch import launch
+    from course_lib.parallel import dp as D
+    from course_lib.dist.launch import launch
     from course_lib.model import param_count
     from course_lib.train import TrainConfig, make_optimizer
 

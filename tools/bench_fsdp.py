@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark (not a test): step time of the course's DDP (ZeRO stage 0), ZeRO-1/2 (`course_lib.zero`) and ZeRO-3
-(`course_lib.fsdp`) against PyTorch's FSDP2 `fully_shard` on gloo, same model, same global batch.
+"""Benchmark (not a test): step time of the course's DDP (ZeRO stage 0), ZeRO-1/2 (`course_lib.parallel.zero`) and ZeRO-3
+(`course_lib.parallel.fsdp`) against PyTorch's FSDP2 `fully_shard` on gloo, same model, same global batch.
 
     .venv/bin/python tools/bench_fsdp.py --preset micro --world-size 4 --steps 8
 
@@ -16,11 +16,11 @@ import time
 import torch
 
 from course_lib.data import ShardedBatches
-from course_lib.fsdp import FSDP
-from course_lib.launch import launch
+from course_lib.parallel.fsdp import FSDP
+from course_lib.dist.launch import launch
 from course_lib.model import GPT, get_config, param_count
 from course_lib.train import TrainConfig, make_optimizer
-from course_lib.zero import ShardedOptimizer
+from course_lib.parallel.zero import ShardedOptimizer
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ..costmodel import GB, Link
-from ..launch import LaunchError
+from ..dist.launch import LaunchError
 from ..transports import MiB, Stage, measure_staged_send, pipelined_time, send_staged_serial
 from . import check
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel
-from ..collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ..dist.collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from . import NOT_IMPLEMENTED, check, run_ranks
 
 CLUSTERS = ((2, 2), (3, 2))                 # (nodes, gpus_per_node) run on real ranks

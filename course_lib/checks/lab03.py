@@ -1,6 +1,6 @@
 """Checks for Lab 03 (DDP: gradient accumulation with no_sync, and token-weighted averaging for uneven shards).
 
-Each check runs the learner's code on real gloo ranks around `course_lib.ddp`'s wrappers and compares it with the
+Each check runs the learner's code on real gloo ranks around `course_lib.parallel.dp`'s wrappers and compares it with the
 single-process reference on the same global batch:
 
   * the gradient handed to the optimizer at step 0 == the single-process gradient (within 1e-6, fp32);
@@ -11,7 +11,7 @@ single-process reference on the same global batch:
 """
 from __future__ import annotations
 
-from .. import ddp as D
+from ..parallel import dp as D
 from ..data import ShardedBatches
 from ..model import GPT, get_config
 from ..train import TrainConfig, make_optimizer, train_reference
@@ -187,7 +187,7 @@ def check_token_weighted(cls, *, world_size: int = 3, preset: str = "nano", step
     with check("token_weighted_gradient") as c:
         c.expect(world_size >= 2, "uneven shards need at least 2 ranks")
         c.expect(isinstance(cls, type) and issubclass(cls, D.DataParallelBucket),
-                 f"{cls!r} is not a subclass of course_lib.ddp.DataParallelBucket",
+                 f"{cls!r} is not a subclass of course_lib.parallel.dp.DataParallelBucket",
                  hint="class DataParallelTokenWeighted(D.DataParallelBucket): …")
         ref = train_reference(cfg, tc, progress=False)
         x, y = ShardedBatches(cfg.seq_len, tc.batch_size, seed=tc.data_seed).global_batch(0)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_scatter_bytes
+from ..dist.collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_scatter_bytes
 from ..data import ShardedBatches
-from ..launch import LaunchError, launch
+from ..dist.launch import LaunchError, launch
 from ..memory import MemoryTracker
 from ..model import GPT, get_config
 from ..train import TrainConfig, train_reference

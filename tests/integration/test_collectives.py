@@ -1,4 +1,4 @@
-"""course_lib.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives, and every
+"""course_lib.dist.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives, and every
 rank's ledger bytes against the exact closed forms (FACTS.md §1).
 
 One launch per world size runs every case (algorithms × dtypes × ops × lengths, lengths not divisible by the world
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import collectives as C
-from course_lib.launch import launch
+from course_lib.dist import collectives as C
+from course_lib.dist.launch import launch
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ import pickle
 import pytest
 import torch
 
-from course_lib.comm import Communicator, Ledger
-from course_lib.launch import LaunchError, launch
+from course_lib.dist.comm import Communicator, Ledger
+from course_lib.dist.launch import LaunchError, launch
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +104,7 @@ def test_communicator_outside_ranks_is_a_clear_error():
 
 
 def test_ledger_prefix_tags_and_reset():
-    from course_lib.comm import Event
+    from course_lib.dist.comm import Event
     L = Ledger(0, 2)
     L.record(Event("send", "send", "bucket0", 0.0, 1.0, sent=10, peer=1))
     L.record(Event("send", "send", "bucket1", 1.0, 2.0, sent=5, peer=1))

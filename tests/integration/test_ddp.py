@@ -1,4 +1,4 @@
-"""course_lib.ddp on real gloo ranks: every wrapper (and torch's DistributedDataParallel) against the single-process
+"""course_lib.parallel.dp on real gloo ranks: every wrapper (and torch's DistributedDataParallel) against the single-process
 reference over 20 steps at world sizes 2, 3 and 4 (cs336's DDP test compares every parameter at every step; we
 compare losses every step and every parameter at the end, within 1e-5 in fp32), the ledger's bytes and messages
 against the closed forms exactly, models that are not the course GPT (a frozen parameter, tied weights),
@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib import ddp as D
+from course_lib.parallel import dp as D
 from course_lib.data import ShardedBatches
-from course_lib.launch import launch
+from course_lib.dist.launch import launch
 from course_lib.model import GPT, get_config
 from course_lib.train import TrainConfig, make_optimizer, train_reference
 

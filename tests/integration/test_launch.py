@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import LaunchError, LaunchTimeout, launch
+from course_lib.dist.launch import LaunchError, LaunchTimeout, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -130,7 +130,7 @@ def test_interrupting_the_caller_leaves_no_rank_behind(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from course_lib.launch import launch
+        from course_lib.dist.launch import launch
         def sleeper(ctx):
             print("PID", os.getpid(), flush=True)
             time.sleep(3600)

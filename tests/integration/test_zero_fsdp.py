@@ -1,4 +1,4 @@
-"""ZeRO-1/2 (`course_lib.zero`) and ZeRO-3/FSDP (`course_lib.fsdp`) on real gloo ranks, against the single-process
+"""ZeRO-1/2 (`course_lib.parallel.zero`) and ZeRO-3/FSDP (`course_lib.parallel.fsdp`) on real gloo ranks, against the single-process
 reference: losses and parameters (1e-5, fp32), memory per rank by category (exact), ledger bytes (exact), on the GPT
 and on small non-GPT models with a frozen parameter and with tied weights; and against PyTorch's FSDP2 fully_shard.
 """
@@ -10,12 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.data import ShardedBatches
-from course_lib.fsdp import FSDP
-from course_lib.launch import launch
+from course_lib.parallel.fsdp import FSDP
+from course_lib.dist.launch import launch
 from course_lib.memory import MemoryTracker
 from course_lib.model import GPT, GPTConfig, param_count
 from course_lib.train import TrainConfig, make_optimizer, train_reference
-from course_lib.zero import ShardedOptimizer, padded_numel
+from course_lib.parallel.zero import ShardedOptimizer, padded_numel
 
 pytestmark = pytest.mark.integration
 

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import collectives
-from .collectives import chunk_sizes
-from .comm import Communicator
-from .memory import alloc_category
+from ..dist import collectives
+from ..dist.collectives import chunk_sizes
+from ..dist.comm import Communicator
+from ..memory import alloc_category
 
 GRAD_TAG = "ddp_grad"            # ledger tag of the per-step gradient all-reduces
 BROADCAST_TAG = "ddp_broadcast"  # ledger tag of the one-time broadcast at wrap time
@@ -149,7 +149,7 @@ class DataParallelNaive(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"data parallelism wraps an nn.Module, got {type(module).__name__}")
         if not isinstance(comm, Communicator):
-            raise TypeError(f"comm must be a course_lib.comm.Communicator (ctx.comm inside launch), got "
+            raise TypeError(f"comm must be a course_lib.dist.comm.Communicator (ctx.comm inside launch), got "
                             f"{type(comm).__name__}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; use one of {ALGORITHMS}")
@@ -344,7 +344,7 @@ class DDPRun:
     """What one rank returns from `run_data_parallel` (picklable, so `launch` hands it to the caller)."""
     losses: list                 # this rank's loss per step, on its own micro-batch
     params: dict = field(repr=False)   # name -> final parameter (of `.module`)
-    ledger: object = field(repr=False)  # this rank's course_lib.comm.Ledger
+    ledger: object = field(repr=False)  # this rank's course_lib.dist.comm.Ledger
     windows: list = field(repr=False)   # (t0, t1) of each step, time.perf_counter()
     bucket_numels: list = field(default_factory=list)   # elements of each all-reduce a step launches ([] for torch's)
     algorithm: str = ""
@@ -374,7 +374,7 @@ class DDPRun:
 
     def step_ledger(self, step: int):
         """This rank's ledger cut to the events of one step (for `plots.plot_timeline`)."""
-        from .comm import Ledger
+        from ..dist.comm import Ledger
         t0, t1 = self.windows[step]
         return Ledger(self.ledger.rank, self.ledger.world_size,
                       [e for e in self.ledger.events if e.t0 >= t0 and e.t1 <= t1])
@@ -387,9 +387,9 @@ def run_data_parallel(ctx, wrap, cfg="micro", tc=None, *, model: nn.Module | Non
     marked as compute spans in the ledger; the gradient all-reduces appear under GRAD_TAG."""
     import time
 
-    from .data import ShardedBatches
-    from .model import GPT, get_config
-    from .train import TrainConfig, make_optimizer
+    from ..data import ShardedBatches
+    from ..model import GPT, get_config
+    from ..train import TrainConfig, make_optimizer
 
     cfg, tc = get_config(cfg), tc or TrainConfig()
     n = ctx.world_size

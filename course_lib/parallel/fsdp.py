@@ -30,9 +30,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from .collectives import broadcast_tree, reduce_scatter_ring
-from .comm import wait_all
-from .memory import alloc_category
+from ..dist.collectives import broadcast_tree, reduce_scatter_ring
+from ..dist.comm import wait_all
+from ..memory import alloc_category
 from .zero import padded_numel
 
 

@@ -31,7 +31,7 @@ import functools
 import torch
 
 from .comm import Communicator
-from .memory import alloc_category
+from ..memory import alloc_category
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 

@@ -2,7 +2,7 @@
 
 Rajbhandari, Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20
 (arXiv 1910.02054). Stage 0 is plain data parallelism (DDP), kept here as the baseline; stage 3, where the
-parameters are sharded too, is `course_lib.fsdp`.
+parameters are sharded too, is `course_lib.parallel.fsdp`.
 
 Every rank holds the whole model. The trainable parameters are laid end to end in flat buckets; each bucket is
 padded with zeros to a multiple of N = world_size and cut into N equal shards. In stages 1 and 2 rank r owns
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import all_gather_ring, all_reduce_ring, broadcast_tree, reduce_scatter_ring
-from .memory import alloc_category
+from ..dist.collectives import all_gather_ring, all_reduce_ring, broadcast_tree, reduce_scatter_ring
+from ..memory import alloc_category
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -99,7 +99,7 @@ class ShardedOptimizer:
                  sync: bool = True, tag: str = "zero", **optimizer_kwargs):
         if stage not in (0, 1, 2):
             raise ValueError(f"stage must be 0 (DDP), 1 (optimizer state sharded) or 2 (+ gradients), got "
-                             f"{stage!r}; stage 3 shards the parameters too: course_lib.fsdp.FSDP")
+                             f"{stage!r}; stage 3 shards the parameters too: course_lib.parallel.fsdp.FSDP")
         self.comm, self.stage, self.tag = comm, stage, tag
         params = list(dict.fromkeys(p for p in params if p.requires_grad))    # unique: a tied weight once
         if not params:

@@ -1,0 +1,7 @@
+"""Parallel training techniques, each built on `course_lib.dist` (mesh, ledger, collectives, flat buffers).
+
+    dp       data parallelism (DDP): naive, bucketed and overlapped gradient all-reduce
+    zero     ZeRO-1/2: a sharded optimizer around any torch.optim class
+    fsdp     ZeRO-3 / FSDP: parameters sharded per unit, gathered for compute
+    compose  apply_<technique>(model, mesh, ...) and the order in which techniques compose
+"""

@@ -1,48 +1,112 @@
-"""Exact memory accounting on CPU: live bytes by category, peak, timeline, and a simulated accelerator.
+"""Exact memory accounting on CPU: live bytes by category × placement, peak, timeline, and a simulated accelerator.
 
 There is no CPU memory-stats API in PyTorch, RSS does not fall after frees and tracemalloc does not see tensor
-storage. What *is* exact (see shared/reference/PLATFORM.md) is to watch every storage as it is created: a
-`TorchDispatchMode` sees the output of every op, and a weakref finalizer on the output's storage fires when it is
-freed. Categories come from what holds the storage:
+storage. What *is* exact is to watch every storage as it is created: a `TorchDispatchMode` sees the output of every
+op, and a weakref finalizer on the output's storage fires when it is freed. Every storage gets two labels:
 
-    parameters   registered with `track`/`watch` (numel × element size, exactly)
-    gradients    relabelled by a post-accumulate-grad hook on each parameter
-    optimizer    relabelled by the optimizer's step post-hook (AdamW: exp_avg + exp_avg_sq = 2 × params, plus a
-                 4-byte `step` tensor per parameter tensor)
-    activations  relabelled when autograd saves them for backward (`saved_tensors_hooks`)
-    comm         allocated under `alloc_category("comm")` (communication buffers)
-    other        everything else: temporaries, buffers, inputs
+    category   what the bytes are for (what holds them):
+        parameters   registered with `track`/`watch` (numel × element size, exactly)
+        gradients    relabelled by a post-accumulate-grad hook on each parameter
+        optimizer    relabelled by the optimizer's step post-hook (AdamW: exp_avg + exp_avg_sq = 2 × params, plus a
+                     4-byte `step` tensor per parameter tensor)
+        activations  relabelled while autograd holds them for backward (`saved_tensors_hooks`)
+        comm         allocated under `alloc_category("comm")` (communication buffers)
+        other        everything else: temporaries, buffers, inputs, logits
+      Later techniques add their own with `register_category` (stashed weights, recomputed activations, snapshots).
+    placement  where the bytes live: "device" (the accelerator), "host" (CPU memory) or "disk" (files). On this CPU
+               box all three are host RAM or files; the label is what offload code moves between.
 
-`SimulatedAccelerator(capacity)` raises `SimulatedOutOfMemoryError` (naming the largest categories) when the tracked
-bytes exceed the capacity: the notebooks fit models into it with ZeRO, offload and recomputation. It is a model of a
-device memory limit, not a measurement of one.
+Labels come from context variables (`alloc_category`, `placed`), so they are per thread: a communication thread
+that allocates under `alloc_category("comm")` does not relabel what the main thread allocates meanwhile. A dispatch
+mode is per thread too; `carry_tracking(fn)` runs `fn` in another thread under the trackers of the caller.
+
+Time is `time.perf_counter()` — the clock the traffic ledger uses — so a memory timeline and a per-rank ledger can
+be drawn on one time axis (`MemoryReport.t0`, `plots.plot_memory(..., t0=...)`).
+
+`SimulatedAccelerator(capacity)` raises `SimulatedOutOfMemoryError` (naming the largest categories) when the
+*device* bytes exceed the capacity: notebooks fit models into it with ZeRO, offload and recomputation. It is a model
+of a device memory limit, not a measurement of one.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "comm", "other")
-_category_stack: list[str] = []
+CATEGORIES = ["parameters", "gradients", "optimizer", "activations", "comm", "other"]   # open: register_category
+CATEGORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
+                   "activations": "#C44E52", "comm": "#8172B3", "other": "#BBBBBB"}
+PLACEMENTS = ("device", "host", "disk")
+
+_category: contextvars.ContextVar = contextvars.ContextVar("course_memory_category", default="other")
+_placement: contextvars.ContextVar = contextvars.ContextVar("course_memory_placement", default="device")
+_active: contextvars.ContextVar = contextvars.ContextVar("course_memory_trackers", default=())
+_paused: contextvars.ContextVar = contextvars.ContextVar("course_memory_paused", default=False)
+
+now = time.perf_counter          # the one clock of the course: memory timelines and ledger events
+
+
+def register_category(name: str, color: str = "#999999") -> str:
+    """Add a memory category (idempotent), e.g. `register_category("stashed weights")`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a category is a non-empty string, got {name!r}")
+    if name not in CATEGORIES:
+        CATEGORIES.append(name)
+        CATEGORY_COLORS[name] = color
+    return name
+
+
+def _check_category(name: str) -> None:
+    if name not in CATEGORIES:
+        raise ValueError(f"unknown memory category {name!r}; use one of {CATEGORIES} "
+                         f"(or add one with course_lib.memory.register_category)")
+
+
+def _check_placement(name: str) -> None:
+    if name not in PLACEMENTS:
+        raise ValueError(f"unknown placement {name!r}; use one of {PLACEMENTS}")
 
 
 @contextlib.contextmanager
 def alloc_category(name: str):
-    """Label every storage allocated inside the block (by any active tracker) as `name`."""
-    if name not in CATEGORIES:
-        raise ValueError(f"unknown memory category {name!r}; use one of {CATEGORIES}")
-    _category_stack.append(name)
+    """Label every storage allocated inside the block, in this thread, as `name`."""
+    _check_category(name)
+    token = _category.set(name)
     try:
         yield
     finally:
-        _category_stack.pop()
+        _category.reset(token)
+
+
+@contextlib.contextmanager
+def placed(placement: str):
+    """Every storage allocated inside the block, in this thread, lives at `placement` ('device', 'host', 'disk')."""
+    _check_placement(placement)
+    token = _placement.set(placement)
+    try:
+        yield
+    finally:
+        _placement.reset(token)
+
+
+@contextlib.contextmanager
+def untracked():
+    """Storage allocated inside the block, in this thread, is not counted: for a measurement's own bookkeeping
+    (copies a probe keeps), which is not part of what is measured."""
+    token = _paused.set(True)
+    try:
+        yield
+    finally:
+        _paused.reset(token)
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -66,31 +130,73 @@ def fmt_bytes(n: float) -> str:
 
 
 class SimulatedOutOfMemoryError(RuntimeError):
-    """The tracked bytes exceeded a simulated accelerator's capacity."""
+    """The tracked device bytes exceeded a simulated accelerator's capacity."""
 
 
 @dataclass
 class MemoryReport:
+    """A tracker's numbers, picklable (ranks return it). The top-level fields are the *device* placement."""
     peak: int
-    peak_by_category: dict          # the split at the moment of the peak
-    max_by_category: dict           # each category's own maximum over the run
+    peak_by_category: dict          # the device split at the moment of the device peak
+    max_by_category: dict           # each category's own maximum on the device over the run
     current_by_category: dict
-    timeline: list = field(repr=False, default_factory=list)   # [(seconds, {category: bytes})]
-    marks: list = field(repr=False, default_factory=list)      # [(seconds, label)]
+    timeline: list = field(repr=False, default_factory=list)   # [(perf_counter seconds, {category: device bytes})]
+    marks: list = field(repr=False, default_factory=list)      # [(perf_counter seconds, label)]
+    t0: float = 0.0                                            # when the tracker started (perf_counter)
+    placements: dict = field(repr=False, default_factory=dict)  # placement -> {"peak", "current", "timeline"}
 
     def table(self) -> str:
         rows = [f"{'category':<12} {'at peak':>12} {'own max':>12}"]
-        for c in CATEGORIES:
-            rows.append(f"{c:<12} {fmt_bytes(self.peak_by_category[c]):>12} {fmt_bytes(self.max_by_category[c]):>12}")
+        for c in self.max_by_category:
+            if self.max_by_category[c] or c in CATEGORIES[:6]:
+                rows.append(f"{c:<12} {fmt_bytes(self.peak_by_category.get(c, 0)):>12} "
+                            f"{fmt_bytes(self.max_by_category[c]):>12}")
         rows.append(f"{'peak total':<12} {fmt_bytes(self.peak):>12}")
         return "\n".join(rows)
 
+    def at(self, placement: str) -> dict:
+        """{'peak': bytes, 'current': {category: bytes}, 'timeline': [...]} of one placement."""
+        _check_placement(placement)
+        if placement == "device":
+            return {"peak": self.peak, "current": self.current_by_category, "timeline": self.timeline}
+        return self.placements.get(placement, {"peak": 0, "current": {}, "timeline": []})
+
+
+class _Outer(NamedTuple):      # a tensor handed on to the saved-tensor hooks that were active around ours
+    unpack: object
+    packed: object
+
+
+@contextlib.contextmanager
+def saved_tensors_hooks_over(pack, unpack):
+    """`torch.autograd.graph.saved_tensors_hooks(pack, unpack)` that keeps the enclosing pair working.
+
+    Saved-tensor hooks nest by replacement: only the innermost pair runs. Here, when `pack(t)` returns a tensor, the
+    enclosing pack hook (a MemoryTracker labelling activations, say) gets that tensor; on the way back the enclosing
+    unpack runs first, then `unpack`. When `pack` returns anything else (a note, a handle), the enclosing pair is
+    not involved: that object is what autograd keeps.
+    """
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def pack_(t):
+        x = pack(t)
+        return _Outer(outer[1], outer[0](x)) if outer is not None and isinstance(x, torch.Tensor) else x
+
+    def unpack_(x):
+        return unpack(x.unpack(x.packed) if isinstance(x, _Outer) else x)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_, unpack_):
+        yield
+
 
 class MemoryTracker(TorchDispatchMode):
-    """Counts live tensor storage by category while active (`with MemoryTracker() as mem:`).
+    """Counts live tensor storage by category and placement while active (`with MemoryTracker() as mem:`).
 
     `watch(model, optimizer)` registers parameters and installs the gradient/optimizer hooks; `track(tensors, cat)`
-    registers tensors created outside the tracker; `mark(label)` annotates the timeline.
+    registers tensors created outside the tracker; `move(tensors, placement)` relabels where bytes live;
+    `add_external(key, nbytes, category, placement)` counts bytes the dispatcher cannot see (a file on disk);
+    `mark(label)` annotates the timeline. `current`, `peak`, `peak_by_category` and `max_by_category` are the
+    device's; `current_at(placement)` and `peak_at(placement)` the others'.
     """
 
     def __init__(self, *, capacity: "int | str | None" = None, name: str = "simulated accelerator",
@@ -98,66 +204,103 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.capacity = None if capacity is None else parse_bytes(capacity)
         self.name = name
-        self._live: dict[int, list] = {}            # storage key -> [nbytes, category]
-        self._finalizers: dict[int, weakref.finalize] = {}
-        self.current = dict.fromkeys(CATEGORIES, 0)
-        self.max_by_category = dict.fromkeys(CATEGORIES, 0)
-        self.peak = 0
+        self._lock = threading.RLock()
+        self._live: dict[int, list] = {}            # storage key -> [nbytes, category, placement]
+        self._bytes = {p: dict.fromkeys(CATEGORIES, 0) for p in PLACEMENTS}
+        self._peak = dict.fromkeys(PLACEMENTS, 0)
         self.peak_by_category = dict.fromkeys(CATEGORIES, 0)
+        self.max_by_category = dict.fromkeys(CATEGORIES, 0)
         self._record = timeline
         self._max_timeline = max_timeline
-        self.timeline: list = []
+        self.timeline: list = []                    # [(t, {placement: {category: bytes}})], non-empty placements
         self.marks: list = []
-        self._t0 = time.perf_counter()
+        self.t0 = now()
         self._hooks: list = []
         self._saved_hooks = None
+        self._token = None
         self._pinned: set[int] = set()              # buffers: never relabelled as activations
         self._saved: dict[int, list] = {}           # storage key -> [times saved, label before it was saved]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
+    def current(self) -> dict:
+        """Device bytes by category, now."""
+        return self._bytes["device"]
+
+    def current_at(self, placement: str) -> dict:
+        _check_placement(placement)
+        return dict(self._bytes[placement])
+
+    @property
     def total(self) -> int:
-        return sum(self.current.values())
+        return sum(self._bytes["device"].values())
+
+    def total_at(self, placement: str) -> int:
+        _check_placement(placement)
+        return sum(self._bytes[placement].values())
+
+    @property
+    def peak(self) -> int:
+        return self._peak["device"]
+
+    def peak_at(self, placement: str) -> int:
+        _check_placement(placement)
+        return self._peak[placement]
+
+    def _count(self, placement: str, category: str, delta: int) -> None:
+        row = self._bytes[placement]
+        row[category] = row.get(category, 0) + delta
+        if delta <= 0:
+            return
+        total = sum(row.values())
+        if total > self._peak[placement]:
+            self._peak[placement] = total
+            if placement == "device":
+                self.peak_by_category = dict(row)
+        if placement == "device" and row[category] > self.max_by_category.get(category, 0):
+            self.max_by_category[category] = row[category]
 
     def _snapshot(self):
         if self._record and len(self.timeline) < self._max_timeline:
-            self.timeline.append((time.perf_counter() - self._t0, dict(self.current)))
+            self.timeline.append((now(), {p: dict(r) for p, r in self._bytes.items() if p == "device" or any(r.values())}))
 
-    def _add(self, storage, category: str) -> None:
+    def _add(self, storage, category: str, placement: str) -> None:
         nbytes = storage.nbytes()
         key = storage._cdata
-        if nbytes == 0 or key in self._live:
-            return
-        self._live[key] = [nbytes, category]
-        self._finalizers[key] = weakref.finalize(storage, self._free, key)
-        self.current[category] += nbytes
-        total = self.total
-        self.max_by_category[category] = max(self.max_by_category[category], self.current[category])
-        if total > self.peak:
-            self.peak, self.peak_by_category = total, dict(self.current)
-        self._snapshot()
-        if self.capacity is not None and total > self.capacity:
-            self._oom(nbytes, category, total)
+        with self._lock:
+            if nbytes == 0 or key in self._live:
+                return
+            self._live[key] = [nbytes, category, placement]
+            weakref.finalize(storage, self._free, key)
+            self._count(placement, category, nbytes)
+            self._snapshot()
+            if placement == "device" and self.capacity is not None and self.total > self.capacity:
+                self._oom(nbytes, category, self.total)
 
     def _free(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        self._finalizers.pop(key, None)
-        if entry is not None:
-            self.current[entry[1]] -= entry[0]
-            self._snapshot()
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._count(entry[2], entry[1], -entry[0])
+                self._snapshot()
 
-    def _relabel(self, storage, category: str) -> None:
+    def _relabel(self, storage, category: str | None = None, placement: str | None = None) -> None:
         if storage.nbytes() == 0:
             return
-        entry = self._live.get(storage._cdata)
-        if entry is None:
-            self._add(storage, category)
-        elif entry[1] != category:
-            self.current[entry[1]] -= entry[0]
-            entry[1] = category
-            self.current[category] += entry[0]
-            self.max_by_category[category] = max(self.max_by_category[category], self.current[category])
+        with self._lock:
+            entry = self._live.get(storage._cdata)
+            if entry is None:
+                self._add(storage, category or "other", placement or _placement.get())
+                return
+            new_cat, new_place = category or entry[1], placement or entry[2]
+            if (new_cat, new_place) == (entry[1], entry[2]):
+                return
+            self._count(entry[2], entry[1], -entry[0])
+            entry[1], entry[2] = new_cat, new_place
+            self._count(new_place, new_cat, entry[0])
             self._snapshot()
+            if new_place == "device" and self.capacity is not None and self.total > self.capacity:
+                self._oom(entry[0], new_cat, self.total)
 
     def _oom(self, nbytes: int, category: str, total: int):
         top = sorted(((b, c) for c, b in self.current.items() if b), reverse=True)[:3]
@@ -168,16 +311,39 @@ class MemoryTracker(TorchDispatchMode):
             f"recompute activations (notebook 08), shard with ZeRO/FSDP (04) or offload (07).")
 
     # ------------------------------------------------------------------ public API
-    def track(self, tensors, category: str) -> "MemoryTracker":
-        """Register (or relabel) existing tensors, e.g. `track(model.parameters(), 'parameters')`."""
-        if category not in CATEGORIES:
-            raise ValueError(f"unknown memory category {category!r}; use one of {CATEGORIES}")
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        for t in tensors:
+    def track(self, tensors, category: str, placement: str | None = None) -> "MemoryTracker":
+        """Register (or relabel) existing tensors, e.g. `track(model.parameters(), 'parameters')`. A tensor already
+        tracked keeps its placement unless one is given; a new one gets `placement` or the current `placed(...)`."""
+        _check_category(category)
+        if placement is not None:
+            _check_placement(placement)
+        for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
             if isinstance(t, torch.Tensor):
-                self._relabel(t.untyped_storage(), category)
+                self._relabel(t.untyped_storage(), category, placement)
         return self
+
+    def move(self, tensors, placement: str) -> "MemoryTracker":
+        """Relabel where already tracked tensors live (their category stays)."""
+        _check_placement(placement)
+        for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+            if isinstance(t, torch.Tensor):
+                self._relabel(t.untyped_storage(), None, placement)
+        return self
+
+    def add_external(self, key, nbytes: int, category: str, placement: str = "disk") -> None:
+        """Count `nbytes` that live outside tensor storage (e.g. a file) under `key` until `remove_external(key)`."""
+        _check_category(category)
+        _check_placement(placement)
+        with self._lock:
+            ext = ("external", key)
+            if ext in self._live:
+                raise ValueError(f"external bytes {key!r} are already counted; remove_external({key!r}) first")
+            self._live[ext] = [int(nbytes), category, placement]
+            self._count(placement, category, int(nbytes))
+            self._snapshot()
+
+    def remove_external(self, key) -> None:
+        self._free(("external", key))
 
     def watch(self, model: "torch.nn.Module | None" = None, optimizer: "torch.optim.Optimizer | None" = None):
         """Track a model's parameters (and buffers as 'other'), label its gradients and an optimizer's state."""
@@ -191,6 +357,9 @@ class MemoryTracker(TorchDispatchMode):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
         if optimizer is not None:
+            # what the optimizer is handed is a gradient, wherever it lives (a DDP bucket, a ZeRO shard)
+            self._hooks.append(optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: self.track(_optimizer_grads(opt), "gradients") and None))
             self.track(_optimizer_tensors(optimizer), "optimizer")
             self._hooks.append(optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: self.track(_optimizer_tensors(opt), "optimizer") and None))
@@ -201,24 +370,36 @@ class MemoryTracker(TorchDispatchMode):
             self.track(p.grad, "gradients")
 
     def mark(self, label: str) -> None:
-        self.marks.append((time.perf_counter() - self._t0, label))
+        self.marks.append((now(), label))
 
     def reset_peak(self) -> None:
-        self.peak, self.peak_by_category = self.total, dict(self.current)
-        self.max_by_category = dict(self.current)
+        with self._lock:
+            for p in PLACEMENTS:
+                self._peak[p] = sum(self._bytes[p].values())
+            self.peak_by_category = dict(self.current)
+            self.max_by_category = dict(self.current)
 
     def report(self) -> MemoryReport:
-        return MemoryReport(self.peak, dict(self.peak_by_category), dict(self.max_by_category),
-                            dict(self.current), list(self.timeline), list(self.marks))
+        def series(p):
+            return [(t, dict(s.get(p, {}))) for t, s in self.timeline]
+        others = {p: {"peak": self._peak[p], "current": dict(self._bytes[p]), "timeline": series(p)}
+                  for p in PLACEMENTS[1:]}
+        return MemoryReport(self.peak, dict(self.peak_by_category), dict(self.max_by_category), dict(self.current),
+                            series("device"), list(self.marks), self.t0, others)
 
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        category = _category_stack[-1] if _category_stack else "other"
+        self._outputs(out)
+        return out
+
+    def _outputs(self, out) -> None:
+        if _paused.get():
+            return
+        category, placement = _category.get(), _placement.get()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), category)
-        return out
+                self._add(t.untyped_storage(), category, placement)
 
     def _pack(self, t: torch.Tensor):
         # Saved for backward: a temporary becomes an activation while autograd holds it; parameters, buffers and
@@ -228,42 +409,72 @@ class MemoryTracker(TorchDispatchMode):
         key = storage._cdata
         if key in self._pinned or storage.nbytes() == 0:
             return t
-        if key not in self._saved:
-            entry = self._live.get(key)
-            if entry is not None and entry[1] not in ("other", "activations"):
-                return t
-            self._saved[key] = [0, entry[1] if entry is not None else "other"]
-            self._relabel(storage, "activations")
-        self._saved[key][0] += 1
+        with self._lock:
+            if key not in self._saved:
+                entry = self._live.get(key)
+                if entry is not None and entry[1] not in ("other", "activations"):
+                    return t
+                self._saved[key] = [0, entry[1] if entry is not None else "other"]
+                self._relabel(storage, "activations")
+            self._saved[key][0] += 1
         return _Saved(self, key, t)
 
     def _unsave(self, key: int) -> None:
-        ref = self._saved.get(key)
-        if ref is None:
-            return
-        ref[0] -= 1
-        if ref[0] == 0:
-            del self._saved[key]
-            entry = self._live.get(key)
-            if entry is not None and entry[1] == "activations":
-                self.current["activations"] -= entry[0]
-                entry[1] = ref[1]
-                self.current[ref[1]] += entry[0]
-                self._snapshot()
+        with self._lock:
+            ref = self._saved.get(key)
+            if ref is None:
+                return
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._saved[key]
+                entry = self._live.get(key)
+                if entry is not None and entry[1] == "activations":
+                    self._count(entry[2], "activations", -entry[0])
+                    entry[1] = ref[1]
+                    self._count(entry[2], ref[1], entry[0])
+                    self._snapshot()
 
     def __enter__(self):
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
+        self._token = _active.set(_active.get() + (self,))
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            _active.reset(self._token)
             self._saved_hooks.__exit__(*exc)
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+
+
+class _ThreadView(TorchDispatchMode):
+    """A tracker's eyes in another thread (dispatch modes are per thread): reports every new storage to it."""
+
+    def __init__(self, tracker: MemoryTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tracker._outputs(out)
+        return out
+
+
+def carry_tracking(fn):
+    """Wrap `fn` so that, run in another thread, its allocations are counted by the trackers active here (with the
+    labels that thread sets itself: a thread starts with the default category 'other' and placement 'device')."""
+    trackers = _active.get()
+
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for t in trackers:
+                stack.enter_context(_ThreadView(t))
+            return fn(*args, **kwargs)
+    return run
 
 
 class _Saved:
@@ -282,6 +493,10 @@ def _unpack(saved):
     return saved.tensor if isinstance(saved, _Saved) else saved
 
 
+def _optimizer_grads(optimizer) -> list:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
 def _optimizer_tensors(optimizer) -> list:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
@@ -289,7 +504,8 @@ def _optimizer_tensors(optimizer) -> list:
 class SimulatedAccelerator:
     """A device with a memory limit, modelled on CPU: `with SimulatedAccelerator('8 MiB').track(model, opt) as mem:`.
 
-    The capacity is a model (labelled so in every message), the counting under it is exact.
+    The capacity is a model (labelled so in every message); the counting under it is exact. Only bytes placed on
+    the device count against it: what offload moves to 'host' or 'disk' does not.
     """
 
     def __init__(self, capacity: "int | str", name: str = "simulated accelerator"):
@@ -311,7 +527,7 @@ class SimulatedAccelerator:
 
 
 def tensor_bytes(tensors) -> int:
-    """numel × element size, summed over unique storages-worth of tensors (the closed form for 'parameters')."""
+    """numel × element size, summed over tensors (the closed form for 'parameters')."""
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     return sum(t.numel() * t.element_size() for t in tensors)

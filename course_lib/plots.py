@@ -7,12 +7,11 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from .memory import CATEGORIES, MemoryReport, fmt_bytes
+from .memory import CATEGORIES, CATEGORY_COLORS, MemoryReport, fmt_bytes
 
 COLORS = {"compute": "#4C72B0", "send": "#DD8452", "recv": "#55A868", "collective": "#8172B3", "barrier": "#937860",
           "idle": "#EEEEEE"}
-MEM_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
-              "comm": "#8172B3", "other": "#BBBBBB"}
+MEM_COLORS = CATEGORY_COLORS    # one colour per memory category, shared with course_lib.memory (open: new ones too)
 
 
 def _ax(ax, figsize=(9, 3)):
@@ -53,21 +52,30 @@ def plot_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", labels:
     return ax
 
 
-def plot_memory(report: MemoryReport, *, ax=None, title: str = "Live memory by category", unit: str = "MiB"):
-    """Stacked live bytes by category over time, with the report's marks as vertical lines."""
+def plot_memory(report: MemoryReport, *, ax=None, title: str = "Live memory by category", unit: str = "MiB",
+                placement: str = "device", t0: float | None = None):
+    """Stacked live bytes by category over time at one placement, with the report's marks as vertical lines.
+
+    Times are milliseconds since `t0` (default: when the tracker started). Memory and ledger share one clock
+    (`time.perf_counter`), so pass the t0 of a `plot_timeline` to draw both on the same axis.
+    """
     ax = _ax(ax, (10, 3.5))
-    if not report.timeline:
+    series = report.at(placement)["timeline"]
+    if not series:
         raise ValueError("plot_memory: the report has no timeline (was timeline=False?)")
+    t0 = report.t0 if t0 is None else t0
     scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
-    t = [1e3 * s for s, _ in report.timeline]
-    ys = [[snap[c] / scale for _, snap in report.timeline] for c in CATEGORIES]
-    ax.stackplot(t, ys, labels=CATEGORIES, colors=[MEM_COLORS[c] for c in CATEGORIES], step="post")
+    t = [1e3 * (s - t0) for s, _ in series]
+    cats = [c for c in CATEGORIES if any(snap.get(c, 0) for _, snap in series)]
+    ys = [[snap.get(c, 0) / scale for _, snap in series] for c in cats]
+    ax.stackplot(t, ys, labels=cats, colors=[MEM_COLORS[c] for c in cats], step="post")
     for s, label in report.marks:
-        ax.axvline(1e3 * s, color="k", lw=0.6, ls=":")
-        ax.text(1e3 * s, ax.get_ylim()[1] * 0.98, f" {label}", fontsize=7, va="top")
+        ax.axvline(1e3 * (s - t0), color="k", lw=0.6, ls=":")
+        ax.text(1e3 * (s - t0), ax.get_ylim()[1] * 0.98, f" {label}", fontsize=7, va="top")
     ax.set_xlabel("time (ms)")
     ax.set_ylabel(f"live bytes ({unit})")
-    ax.set_title(f"{title} — peak {fmt_bytes(report.peak)}")
+    peak = report.at(placement)["peak"]
+    ax.set_title(f"{title} — peak {fmt_bytes(peak)}" + ("" if placement == "device" else f" ({placement})"))
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return ax
 

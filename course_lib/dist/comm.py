@@ -125,15 +125,18 @@ class Communicator:
     `new_group(ranks, name)` makes a sub-communicator (collective call: every rank calls it) sharing this ledger.
     """
 
-    def __init__(self, group=None, *, name: str = "world", ledger: Ledger | None = None):
+    def __init__(self, group=None, *, name: str = "world", ledger: Ledger | None = None, solo: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("Communicator needs torch.distributed to be initialized; create ranks with "
                                "course_lib.dist.launch.launch(fn, world_size), which passes ctx.comm to fn")
         self.group = group
         self.name = name
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        if solo:        # a group of one: no process group, and every collective returns at once
+            self.group, self.rank, self.world_size, self.global_ranks = None, 0, 1, [dist.get_rank()]
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.ledger = ledger or Ledger(dist.get_rank(), self.world_size)
         # Completed gloo point-to-point works, kept alive a little longer. Destroying one right after its wait()
         # can stall for a scheduler tick when ranks outnumber cores (measured here: a 4-rank ring all-reduce of
@@ -196,6 +199,8 @@ class Communicator:
 
     # ------------------------------------------------------------------ the backend's collectives (nominal bytes)
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, tag: str = "") -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
         t0 = time.perf_counter()
         dist.broadcast(tensor, self.global_ranks[src], group=self.group)
         S = _nbytes(tensor) if self.world_size > 1 else 0
@@ -204,6 +209,10 @@ class Communicator:
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, tag: str = "") -> torch.Tensor:
+        if self.world_size == 1:
+            if op != "avg":
+                _reduce_op(op)          # a bad op name is an error even when there is nothing to reduce
+            return tensor
         t0 = time.perf_counter()
         if op == "avg":   # gloo has no AVG
             dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group)
@@ -220,6 +229,8 @@ class Communicator:
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"world_size × input = {self.world_size} × {input.numel()}")
+        if self.world_size == 1:
+            return output.copy_(input.reshape(output.shape))
         t0 = time.perf_counter()
         dist.all_gather_single(output, input.contiguous(), group=self.group)
         b = (self.world_size - 1) * _nbytes(input)
@@ -231,6 +242,8 @@ class Communicator:
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"world_size × output = {self.world_size} × {output.numel()}")
+        if self.world_size == 1:
+            return output.copy_(input.reshape(output.shape))
         t0 = time.perf_counter()
         if op == "avg":
             dist.reduce_scatter_single(output, input.contiguous(), dist.ReduceOp.SUM, group=self.group)
@@ -242,6 +255,8 @@ class Communicator:
         return output
 
     def barrier(self, *, tag: str = "") -> None:
+        if self.world_size == 1:
+            return
         t0 = time.perf_counter()
         dist.barrier(group=self.group)
         self._log("barrier", "barrier", tag, t0)
@@ -257,6 +272,12 @@ class Communicator:
         if self.rank not in ranks:
             return None
         return Communicator(group, name=name, ledger=self.ledger)
+
+    def renamed(self, name: str) -> "Communicator":
+        """The same group under another name (its traffic is booked under `name` in the shared ledger)."""
+        if self.world_size == 1:
+            return Communicator(name=name, ledger=self.ledger, solo=True)
+        return Communicator(self.group, name=name, ledger=self.ledger)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -15,9 +15,11 @@ Three wrappers for ANY `nn.Module`, naive beside optimized (picotron's `DataPara
 
 Every wrapper broadcasts parameters and buffers from rank 0 when it wraps (so ranks start identical), skips frozen
 parameters, reduces a tied weight once (`module.parameters()` yields it once, and autograd sums both uses into one
-`.grad` before its hook fires), keeps the model at `.module`, and offers `no_sync()`.
+`.grad` before its hook fires), keeps the model at `.module`, and offers `no_sync()`. Buckets are flat buffers
+(`course_lib.dist.flat`, one bucketing rule for the whole course); after a synchronized step every `.grad` is a view
+into its bucket, as with PyTorch DDP's `gradient_as_bucket_view=True`, so the buckets ARE the gradients' memory.
 
-Checked against (FACTS.md §1, §2): with the ring all-reduce, the gradient bytes one rank sends per step are
+Checked against (docs/formulas.md §1, §2): with the ring all-reduce, the gradient bytes one rank sends per step are
 
     2(N−1)/N · Ψ · bytes per element          (Ψ = trainable parameters, N = world_size)
 
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -42,7 +43,8 @@ import torch.nn as nn
 from ..dist import collectives
 from ..dist.collectives import chunk_sizes
 from ..dist.comm import Communicator
-from ..memory import alloc_category
+from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params
+from ..memory import alloc_category, carry_tracking
 
 GRAD_TAG = "ddp_grad"            # ledger tag of the per-step gradient all-reduces
 BROADCAST_TAG = "ddp_broadcast"  # ledger tag of the one-time broadcast at wrap time
@@ -53,56 +55,42 @@ ALGORITHMS = tuple(collectives.ALL_REDUCE) + ("backend",)
 
 
 # ============================================================================================ buckets
-@dataclass
 class Bucket:
-    """Parameters whose gradients travel together in one flat buffer: `buffer[offsets[i]:][:numel]` is params[i]."""
-    index: int
-    params: list = field(default_factory=list)
-    offsets: list = field(default_factory=list)
-    numel: int = 0
-    buffer: torch.Tensor | None = field(default=None, repr=False)
+    """Parameters whose gradients travel together: a `FlatBuffer` layout plus the flat gradient buffer itself.
+
+    The buffer is labelled 'gradients': after a synchronized step each parameter's `.grad` is a view of its slot,
+    so the averaged gradients live in the buckets (no second copy).
+    """
+
+    def __init__(self, index: int, params: list):
+        self.index = index
+        self.params = params
+        self.layout = FlatBuffer(params)
+        with alloc_category("gradients"):
+            self.buffer = self.layout.new()
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.params[0].element_size()
+        return self.layout.nbytes
 
     def pack(self) -> torch.Tensor:
         """Copy every gradient into the flat buffer (a missing gradient counts as zeros)."""
-        for p, off in zip(self.params, self.offsets):
-            view = self.buffer[off:off + p.numel()]
-            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-        return self.buffer
+        return self.layout.pack(self.buffer, [p.grad for p in self.params])
 
     def unpack(self) -> None:
-        """Copy the reduced buffer back into each `.grad` (a copy, so the buffer can be reused next step)."""
-        for p, off in zip(self.params, self.offsets):
-            reduced = self.buffer[off:off + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = reduced.clone()
-            else:
-                p.grad.copy_(reduced)
+        """Point every `.grad` at its slot of the reduced buffer (the gradients autograd made are dropped)."""
+        for p, slot in zip(self.params, self.layout.views(self.buffer)):
+            p.grad = slot
 
 
 def make_buckets(params, bucket_cap_bytes: int) -> list[Bucket]:
-    """Greedy buckets in REVERSE registration order (backward produces the last layers' gradients first, as in
-    torch DDP); a bucket closes once it holds at least `bucket_cap_bytes`; one dtype per bucket (it is one flat
-    buffer). A parameter larger than the cap gets a bucket of its own."""
-    if not isinstance(bucket_cap_bytes, int) or isinstance(bucket_cap_bytes, bool) or bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_bytes must be a positive number of bytes, got {bucket_cap_bytes!r}")
-    done, open_ = [], {}                        # open_: dtype -> the bucket being filled
-    for p in reversed(list(params)):
-        b = open_.setdefault(p.dtype, Bucket(index=-1))
-        b.params.append(p)
-        b.offsets.append(b.numel)
-        b.numel += p.numel()
-        if b.nbytes >= bucket_cap_bytes:
-            done.append(open_.pop(p.dtype))
-    done += [b for b in open_.values() if b.params]
-    for i, b in enumerate(done):
-        b.index = i
-        with alloc_category("comm"):
-            b.buffer = torch.zeros(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
-    return done
+    """Buckets by the course's one rule (`flat.bucket_params`): reverse registration order, a bucket closes once it
+    holds at least `bucket_cap_bytes`, one dtype per bucket; a parameter larger than the cap gets one of its own."""
+    return [Bucket(i, ps) for i, ps in enumerate(bucket_params(params, bucket_cap_bytes))]
 
 
 # ============================================================================================ closed forms
@@ -176,24 +164,10 @@ class DataParallelNaive(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @torch.no_grad()
     def broadcast_from(self, src: int = 0) -> None:
         """Make every rank's parameters and buffers equal to rank `src`'s: one byte buffer, one broadcast."""
-        tensors = [t for t in [*self.module.parameters(), *self.module.buffers()] if t.numel()]
-        if self.world_size == 1 or not tensors:
-            return
-        with alloc_category("comm"):
-            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])   # (total bytes,)
-        if self.algorithm == "backend":
-            self.comm.broadcast(flat, src, tag=BROADCAST_TAG)
-        else:
-            collectives.broadcast_tree(self.comm, flat, src, tag=BROADCAST_TAG)
-        if self.comm.rank != src:
-            off = 0
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                t.copy_(flat[off:off + n].view(t.dtype).view_as(t))
-                off += n
+        broadcast_tensors(self.comm, [*self.module.parameters(), *self.module.buffers()], src, tag=BROADCAST_TAG,
+                          backend=self.algorithm == "backend")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -314,7 +288,10 @@ class DataParallelOverlap(DataParallelBucket):
     def _launch(self, bucket: Bucket) -> None:
         with self.comm.compute(f"pack {bucket.index}"):   # on the autograd thread: these gradients are final
             bucket.pack()
-        self._inflight.append(self._executor.submit(self._reduce_bucket, bucket))
+        for p in bucket.params:     # the bucket holds them now: free autograd's copies during backward, not after
+            p.grad = None
+        # carry_tracking: a memory accountant active here also counts what the communication thread allocates
+        self._inflight.append(self._executor.submit(carry_tracking(self._reduce_bucket), bucket))
         self._next += 1
 
     def finish_gradient_synchronization(self) -> None:
@@ -338,98 +315,17 @@ class DataParallelOverlap(DataParallelBucket):
         self._executor.shutdown(wait=True)
 
 
-# ============================================================================================ a training run on ranks
-@dataclass
-class DDPRun:
-    """What one rank returns from `run_data_parallel` (picklable, so `launch` hands it to the caller)."""
-    losses: list                 # this rank's loss per step, on its own micro-batch
-    params: dict = field(repr=False)   # name -> final parameter (of `.module`)
-    ledger: object = field(repr=False)  # this rank's course_lib.dist.comm.Ledger
-    windows: list = field(repr=False)   # (t0, t1) of each step, time.perf_counter()
-    bucket_numels: list = field(default_factory=list)   # elements of each all-reduce a step launches ([] for torch's)
-    algorithm: str = ""
-    first_grads: dict = field(default_factory=dict, repr=False)   # the synchronized gradients step 0's optimizer saw
-
-    @property
-    def n_buckets(self) -> int:
-        return len(self.bucket_numels)
-
-    def expected_bytes_sent(self) -> int:
-        """The closed form of the gradient bytes this rank sends per step (`ddp_bytes_per_step`)."""
-        return ddp_bytes_per_step(self.bucket_numels, self.ledger.world_size, self.ledger.rank,
-                                  self.params[next(iter(self.params))].element_size(), self.algorithm)
-
-    def expected_messages(self) -> int:
-        return ddp_messages_per_step(self.bucket_numels, self.ledger.world_size, self.ledger.rank, self.algorithm)
-
-    @property
-    def step_seconds(self) -> list:
-        return [t1 - t0 for t0, t1 in self.windows]
-
-    def buckets_launched_during_backward(self, step: int) -> int:
-        """How many buckets were packed (and so handed to communication) before backward ended, in `step`."""
-        events = self.step_ledger(step).events
-        bwd = next(e for e in events if e.kind == "compute" and e.op == "backward")
-        return sum(1 for e in events if e.kind == "compute" and e.op.startswith("pack ") and e.t1 <= bwd.t1)
-
-    def step_ledger(self, step: int):
-        """This rank's ledger cut to the events of one step (for `plots.plot_timeline`)."""
-        from ..dist.comm import Ledger
-        t0, t1 = self.windows[step]
-        return Ledger(self.ledger.rank, self.ledger.world_size,
-                      [e for e in self.ledger.events if e.t0 >= t0 and e.t1 <= t1])
-
-
-def run_data_parallel(ctx, wrap, cfg="micro", tc=None, *, model: nn.Module | None = None) -> DDPRun:
-    """Train on this rank: `wrap(module, ctx.comm)` makes the data-parallel model (any wrapper of this file, or
-    torch's DistributedDataParallel); each rank takes its tc.batch_size/world_size slice of every global batch, so
-    the run is comparable with `train.train_reference(cfg, tc)`. Forward, backward and the optimizer step are
-    marked as compute spans in the ledger; the gradient all-reduces appear under GRAD_TAG."""
-    import time
-
-    from ..data import ShardedBatches
-    from ..model import GPT, get_config
-    from ..train import TrainConfig, make_optimizer
-
-    cfg, tc = get_config(cfg), tc or TrainConfig()
-    n = ctx.world_size
-    if tc.batch_size % n:
-        raise ValueError(f"global batch {tc.batch_size} does not split evenly over world_size={n}; "
-                         f"use a multiple of {n}")
-    module = GPT(cfg, seed=tc.seed) if model is None else model
-    ddp = wrap(module, ctx.comm)
-    optimizer = make_optimizer(ddp.module.parameters(), tc)
-    batches = ShardedBatches(cfg.seq_len, tc.batch_size // n, n, ctx.rank, seed=tc.data_seed)
-    first_grads: dict = {}
-
-    def keep_first_grads(opt, args, kwargs):   # what the optimizer is handed: the averaged gradient
-        if not first_grads:
-            first_grads.update({k: p.grad.detach().clone() for k, p in ddp.module.named_parameters()
-                                if p.grad is not None})
-    hook = optimizer.register_step_pre_hook(keep_first_grads)
-    comm, losses, windows = ctx.comm, [], []
-    finish = getattr(ddp, "finish_gradient_synchronization", lambda: None)   # torch DDP syncs inside backward
-    for step in range(tc.steps):
-        x, y = batches.get(step)
-        t0 = time.perf_counter()
-        with comm.compute("forward"):
-            _, loss = ddp(x, y)
-        with comm.compute("backward"):
-            loss.backward()
-        finish()
-        with comm.compute("step"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        windows.append((t0, time.perf_counter()))
-        losses.append(loss.item())
-    hook.remove()
-    if hasattr(ddp, "close"):
-        ddp.close()
-    params = {k: v.detach().clone() for k, v in ddp.module.named_parameters()}
-    numels = ddp.bucket_numels() if hasattr(ddp, "bucket_numels") else []
-    return DDPRun(losses, params, comm.ledger, windows, numels, getattr(ddp, "algorithm", "backend"), first_grads)
+# ============================================================================================ reading a run
+def packs_before_backward_end(events) -> int:
+    """How many buckets were packed (and so handed to communication) before backward ended, among ledger `events`
+    of one step (the compute spans 'backward' and 'pack i' that `train.LedgerProbe` and the wrappers record)."""
+    bwd = [e for e in events if e.kind == "compute" and e.op == "backward"]
+    if not bwd:
+        raise ValueError("no 'backward' span among these events: run with train.LedgerProbe(comm, spans=True)")
+    end = bwd[-1].t1
+    return sum(1 for e in events if e.kind == "compute" and e.op.startswith("pack ") and e.t1 <= end)
 
 
 __all__ = ["DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",
            "ring_all_reduce_messages", "ddp_bytes_per_step", "ddp_messages_per_step", "DEFAULT_BUCKET_CAP_BYTES",
-           "GRAD_TAG", "BROADCAST_TAG", "ALGORITHMS", "DDPRun", "run_data_parallel"]
+           "GRAD_TAG", "BROADCAST_TAG", "ALGORITHMS", "packs_before_backward_end"]

@@ -2,26 +2,39 @@
 
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20 (stage 3,
 P_os+g+p); Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023
-(arXiv 2304.11277), whose unit / flat-parameter design this follows.
+(arXiv 2304.11277); the per-parameter layout of PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 The model is cut into units (`units=`, default: each child module) plus the root (every parameter no unit owns).
-A unit's parameters are flattened, padded with zeros to a multiple of N = world_size and cut into N shards; rank r
-keeps shard r only, in fp32 (the master weights), with its gradient and, in an ordinary local optimizer over
-`fsdp.parameters()`, its optimizer state. Around every unit:
+Every parameter is sharded on its own along dim 0, as FSDP2 does: with N = world_size and d0 rows,
+
+    c = ⌈d0/N⌉ rows per rank;  rank r keeps rows [r·c, min((r+1)·c, d0))   (the last ranks may keep fewer, or none)
+
+and the module keeps those local shards as its parameters — `named_parameters()`, an optimizer built from them,
+`state_dict()` and checkpoint code all see real tensors, each rank its own rows. Around every unit:
 
     forward   all-gather the unit's parameters (the next unit's all-gather is posted before this one computes:
               prefetch) → compute → free them
     backward  all-gather them again when autograd first needs a weight it saved → compute → reduce-scatter the
               unit's gradients → free                                                (PyTorch's FULL_SHARD)
 
-Autograd machinery: a custom Function turns a shard into the unit's full parameters (forward: all-gather;
+One all-gather moves a whole unit: each rank lays its shards end to end, each padded to c rows (the all-gather
+input, L elements, a flat buffer); the output holds N such inputs rank after rank, and is copied out into the
+unit's full parameters (FSDP2's copy-in / copy-out). The reduce-scatter runs the same layout backwards.
+
+    parameter a (5 rows), b (2 rows), N = 2:   c_a = 3, c_b = 1
+    rank 0 input: [a0 a1 a2 | b0]     rank 1 input: [a3 a4 0 | b1]      (0: padding)
+    all-gather output: [a0 a1 a2 b0 a3 a4 0 b1]  →  copy out  →  a = [a0..a4], b = [b0 b1]
+
+Autograd machinery: a custom Function turns the local shards into the unit's full parameters (forward: all-gather;
 backward: reduce-scatter), and saved-tensor hooks store a weight that autograd keeps for backward as a reference
 (unit, shape, offset) instead of the tensor, so that freeing after forward really frees and backward re-gathers.
 
-Checked against (Ψ trainable parameters, P their padded count, e bytes per element of the compute dtype):
+Checked against (P = Σ over units of N·L: the trainable parameters with each one padded to N·c rows; e bytes per
+element of the compute dtype; docs/formulas.md §2):
     bytes each rank sends per step   forward all-gather (N−1)/N·eP + backward all-gather (N−1)/N·eP
-                                     + reduce-scatter (N−1)/N·eP = 3(N−1)/N·eP = 1.5 × DDP's 2(N−1)/N·eΨ  (FACTS §2)
-    model states per rank            4P/N + 4P/N + (8P/N + 4K) with fp32 AdamW over K shard tensors
+                                     + reduce-scatter (N−1)/N·eP = 3(N−1)/N·eP = 1.5 × DDP's 2(N−1)/N·eΨ
+    model states per rank            parameters 4P/N, gradients 4P/N, optimizer 8·Ψ_r + 4·n (fp32 AdamW over this
+                                     rank's n local shards holding Ψ_r elements, Σ_r Ψ_r = Ψ)
 """
 from __future__ import annotations
 
@@ -30,10 +43,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import broadcast_tree, reduce_scatter_ring
+from ..dist.collectives import reduce_scatter_ring
 from ..dist.comm import wait_all
-from ..memory import alloc_category
-from .zero import padded_numel
+from ..dist.flat import FlatBuffer, broadcast_tensors
+from ..memory import alloc_category, saved_tensors_hooks_over
 
 
 def default_units(module: nn.Module) -> list:
@@ -47,87 +60,154 @@ def default_units(module: nn.Module) -> list:
     return units
 
 
-class _Flat:
-    """One unit's parameters of one kind (trainable or frozen): flat, padded to a multiple of N, sharded."""
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the dim-0 rows rank `rank` keeps: chunks of ⌈rows/N⌉ (FSDP2's `torch.chunk` layout)."""
+    c = -(-rows // world_size)
+    return min(rank * c, rows), min((rank + 1) * c, rows)
+
+
+def _set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+    module.__dict__.pop(attr, None)
+    module._parameters[attr] = param
+
+
+def _set_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    """A plain tensor in a parameter's place while the unit computes (nn.Module refuses it through setattr)."""
+    module._parameters.pop(attr, None)
+    object.__setattr__(module, attr, tensor)
+
+
+class ShardedGroup:
+    """One unit's parameters of one kind (trainable or frozen), each sharded along dim 0 over the ranks."""
 
     def __init__(self, fsdp, unit, params, places, requires_grad: bool):
-        self.fsdp, self.unit, self.places = fsdp, unit, places   # places[i]: [(module, attr, name), ...] of param i
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         comm = fsdp.comm
-        self.padded = padded_numel(sum(self.numels), comm.world_size)
-        flat = torch.zeros(self.padded, dtype=params[0].dtype)
-        flat[:sum(self.numels)].copy_(torch.cat([p.detach().reshape(-1) for p in params]))
-        if fsdp.sync_module_states:            # every rank starts from rank 0's values
-            broadcast_tree(comm, flat, 0, tag="fsdp_init")
-        self.shard = nn.Parameter(flat.chunk(comm.world_size)[comm.rank].clone(), requires_grad=requires_grad)
-        self.full, self.handles = None, []     # the gathered parameters while they exist; in-flight messages
+        N, r = comm.world_size, comm.rank
+        self.fsdp, self.unit, self.places = fsdp, unit, places   # places[i]: [(module, attr, name), ...] of param i
+        self.shapes = [p.shape if p.dim() else torch.Size([1]) for p in params]
+        self.row_numel = [max(1, s.numel() // s[0]) if s[0] else 0 for s in self.shapes]
+        self.chunk_rows = [-(-s[0] // N) for s in self.shapes]
+        self.bounds = [shard_rows(s[0], N, r) for s in self.shapes]
+        # the all-gather input: every parameter's chunk padded to c rows, end to end (equal size L on every rank)
+        self.input_layout = FlatBuffer(shapes=[c * rn for c, rn in zip(self.chunk_rows, self.row_numel)],
+                                       dtype=params[0].dtype)
+        self.L = self.input_layout.numel
+        self.full_layout = FlatBuffer(params)           # the unit's full parameters, unpadded, one after another
+        with alloc_category("parameters"):
+            self.local = self.input_layout.new(params[0].dtype)      # this rank's shards (fp32 master weights)
+        self.shards = []
+        for i, p in enumerate(params):
+            lo, hi = self.bounds[i]
+            mine = self.input_layout.view(self.local, i)[:(hi - lo) * self.row_numel[i]]
+            mine.copy_(p.detach().reshape(self.shapes[i])[lo:hi].reshape(-1))
+            shard = nn.Parameter(mine.view(hi - lo, *self.shapes[i][1:]), requires_grad=requires_grad)
+            self.shards.append(shard)
+        self.full, self.staging, self.handles = None, None, []    # gathered parameters; all-gather output; messages
+
+    @property
+    def padded(self) -> int:
+        """N·L: what one all-gather assembles (this group's part of P)."""
+        return self.L * self.fsdp.comm.world_size
+
+    @property
+    def local_numel(self) -> int:
+        """Ψ_r: real (unpadded) elements this rank keeps."""
+        return sum(s.numel() for s in self.shards)
 
     def gather(self, tag: str) -> None:
-        """Post the all-gather of this flat parameter (returns at once; `wait` completes it)."""
-        if self.full is None:
-            with alloc_category("parameters"):
-                self.full = torch.empty(self.padded, dtype=self.fsdp.compute_dtype or self.shard.dtype)
-            self.handles = _start_all_gather(self.fsdp.comm, self.shard.detach(), self.full, tag)
-            self.fsdp._gathered[self.full.untyped_storage()._cdata] = self
+        """Post the all-gather of this group (returns at once; `wait` completes it)."""
+        if self.full is not None or self.staging is not None:
+            return
+        comm, dtype = self.fsdp.comm, self.fsdp.compute_dtype or self.local.dtype
+        with alloc_category("comm"):
+            self.staging = torch.empty(self.padded, dtype=dtype)
+        p, r = comm.world_size, comm.rank
+        chunks = self.staging.chunk(p)
+        chunks[r].copy_(self.local)                # with a compute dtype the cast happens here, before communication
+        for k in range(1, p):                      # direct exchange: my input to every rank, theirs into place;
+            self.handles.append(comm.isend(chunks[r], (r + k) % p, tag=tag))      # the ring's bytes, all posted
+            self.handles.append(comm.irecv(chunks[(r - k) % p], (r - k) % p, tag=tag))   # at once (overlappable)
 
     def wait(self) -> None:
+        """Complete the all-gather and copy the output out into the unit's full parameters."""
+        if self.staging is None:
+            return
         wait_all(self.handles)
         self.handles = []
+        self.fsdp.comm.release()                   # finished transfers would otherwise keep the buffer alive
+        N = self.fsdp.comm.world_size
+        with alloc_category("parameters"):
+            self.full = self.full_layout.new(self.staging.dtype)
+        for i, full in enumerate(self.full_layout.views(self.full)):
+            rows = full.view(self.shapes[i][0], -1)
+            for r, slot in enumerate(self._slots(self.staging, i)):   # rank r's rows; its padding stays behind
+                lo, hi = shard_rows(len(rows), N, r)
+                rows[lo:hi].copy_(slot[:hi - lo])
+        self.staging = None
+        self.fsdp._gathered[self.full.untyped_storage()._cdata] = self
 
     def free(self) -> None:
         self.wait()
-        self.fsdp.comm.release()               # finished transfers would otherwise keep the buffer alive
         if self.full is not None:
             del self.fsdp._gathered[self.full.untyped_storage()._cdata]
             self.full = None
 
     def views(self) -> list:
-        return [self.full[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        return self.full_layout.views(self.full)
 
-    def reduce_scatter(self, grads) -> torch.Tensor:
-        """The unit's gradients (one per parameter, None if unused) → my shard's averaged gradient, in fp32."""
+    def reduce_scatter(self, grads) -> list:
+        """The unit's full gradients (None if unused) → this rank's averaged shard gradients, in the master dtype."""
+        N, r = self.fsdp.comm.world_size, self.fsdp.comm.rank
+        dtype = self.fsdp.compute_dtype or self.local.dtype
         with alloc_category("comm"):
-            flat_grad = torch.zeros(self.padded, dtype=self.fsdp.compute_dtype or self.shard.dtype)
-        for g, o, n in zip(grads, self.offsets, self.numels):
-            if g is not None:
-                flat_grad[o:o + n].copy_(g.reshape(-1))
-        self.unit.free()                       # its backward is done: drop the gathered parameters first
-        mine = reduce_scatter_ring(self.fsdp.comm, flat_grad, "avg", tag="fsdp_rs", inplace=True)
+            send = torch.zeros(self.padded, dtype=dtype)
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            rows = g.reshape(self.shapes[i][0], -1)
+            for r, slot in enumerate(self._slots(send, i)):   # rank r's rows into rank r's slot, padding left zero
+                lo, hi = shard_rows(len(rows), N, r)
+                slot[:hi - lo].copy_(rows[lo:hi])
+        self.unit.free()                           # its backward is done: drop the gathered parameters first
+        mine = reduce_scatter_ring(self.fsdp.comm, send, "avg", tag="fsdp_rs", inplace=True)
         with alloc_category("gradients"):
-            mine = mine.to(self.shard.dtype, copy=True)
-        return mine
+            mine = mine.to(self.local.dtype, copy=True)
+        out = []
+        for i, shard in enumerate(self.shards):
+            out.append(self.input_layout.view(mine, i)[:shard.numel()].view(shard.shape))
+        return out
 
+    def _slots(self, buf: torch.Tensor, i: int) -> list:
+        """Parameter i's slot of every rank in an all-gather output `buf` (N·L): each a (c, row numel) view."""
+        c, rn, o = self.chunk_rows[i], self.row_numel[i], self.input_layout.offsets[i]
+        return [part[o:o + c * rn].view(c, rn) for part in buf.view(-1, self.L)]
 
-def _start_all_gather(comm, shard: torch.Tensor, full: torch.Tensor, tag: str) -> list:
-    """All-gather by direct exchange: my shard to every other rank, theirs into place. Same bytes as the ring
-    ((N−1)/N of the buffer), but every message is posted at once, so it can run while a unit computes."""
-    p, r = comm.world_size, comm.rank
-    chunks = full.chunk(p)
-    chunks[r].copy_(shard)                     # with a compute dtype the cast happens here, before communication
-    handles = []
-    for k in range(1, p):
-        handles.append(comm.isend(chunks[r], (r + k) % p, tag=tag))
-        handles.append(comm.irecv(chunks[(r - k) % p], (r - k) % p, tag=tag))
-    return handles
+    def set_full(self, views) -> None:
+        for view, places in zip(views, self.places):
+            for module, attr, _ in places:         # a tied weight: the same view in every place it is used
+                _set_tensor(module, attr, view)
+
+    def set_shards(self) -> None:
+        for shard, places in zip(self.shards, self.places):
+            for module, attr, _ in places:
+                _set_param(module, attr, shard)
 
 
 class _Unshard(torch.autograd.Function):
-    """forward: a flat parameter's shard → the unit's full parameters (all-gather), one view per parameter.
-    backward: the gradients of those views → the shard's gradient (reduce-scatter)."""
+    """forward: a group's local shards → the unit's full parameters (all-gather + copy-out), one view per parameter.
+    backward: the gradients of those views → each shard's gradient (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, flat, shard):
-        flat.gather("fsdp_fwd_ag")
-        flat.wait()
-        ctx.flat = flat
+    def forward(ctx, group, *shards):
+        group.gather("fsdp_fwd_ag")
+        group.wait()
+        ctx.group = group
         ctx.set_materialize_grads(False)
-        return tuple(flat.views())
+        return tuple(group.views())
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, ctx.flat.reduce_scatter(grads)
+        return (None, *ctx.group.reduce_scatter(grads))
 
 
 class _Unit:
@@ -135,46 +215,37 @@ class _Unit:
 
     def __init__(self, fsdp, module, params, places):
         self.module = module
-        self.flats = [_Flat(fsdp, self, [p for p in params if p.requires_grad == rg],
-                            [pl for p, pl in zip(params, places) if p.requires_grad == rg], rg)
-                      for rg in (True, False) if any(p.requires_grad == rg for p in params)]
+        self.groups = [ShardedGroup(fsdp, self, [p for p in params if p.requires_grad == rg],
+                                    [pl for p, pl in zip(params, places) if p.requires_grad == rg], rg)
+                       for rg in (True, False) if any(p.requires_grad == rg for p in params)]
 
     def gather(self, tag: str) -> None:
-        for f in self.flats:
-            f.gather(tag)
+        for g in self.groups:
+            g.gather(tag)
 
     def wait(self) -> None:
-        for f in self.flats:
-            f.wait()
+        for g in self.groups:
+            g.wait()
 
     def free(self) -> None:
-        for f in self.flats:
-            f.free()
+        for g in self.groups:
+            g.free()
 
     def unshard_into_module(self) -> None:
-        for f in self.flats:
-            for view, places in zip(_Unshard.apply(f, f.shard), f.places):
-                for module, attr, _ in places:        # a tied weight: the same view in every place it is used
-                    setattr(module, attr, view)
+        for g in self.groups:
+            g.set_full(_Unshard.apply(g, *g.shards))
 
     def reshard(self) -> None:
-        for f in self.flats:
-            for places in f.places:
-                for module, attr, _ in places:
-                    setattr(module, attr, None)
+        for g in self.groups:
+            g.set_shards()
         self.free()
 
 
 class _Saved(NamedTuple):      # what autograd keeps instead of a gathered weight
-    flat: _Flat
+    group: ShardedGroup
     size: torch.Size
     stride: tuple
     offset: int
-
-
-class _Outer(NamedTuple):      # a tensor packed by saved-tensor hooks that were active around ours
-    unpack: object
-    packed: object
 
 
 class FSDP(nn.Module):
@@ -189,15 +260,15 @@ class FSDP(nn.Module):
     prefetch       post the next unit's all-gather before the current unit computes (forward and backward).
     sync_module_states  broadcast rank 0's parameters at wrap time (else each rank shards its own copy, which
                    must then be identical, e.g. built from the same seed).
-    Frozen parameters are sharded as well (gathered, never reduced); `.module` is the wrapped model, whose
-    parameters exist only inside forward/backward; `full_state_dict()` gathers them back.
+    Frozen parameters are sharded as well (gathered, never reduced). Outside forward and backward the wrapped
+    module's parameters ARE this rank's shards; `full_state_dict()` gathers them back.
     """
 
     def __init__(self, module: nn.Module, comm, *, units=None, compute_dtype: torch.dtype | None = None,
                  prefetch: bool = True, sync_module_states: bool = True):
         super().__init__()
         self.module, self.comm = module, comm
-        self.compute_dtype, self.prefetch, self.sync_module_states = compute_dtype, prefetch, sync_module_states
+        self.compute_dtype, self.prefetch = compute_dtype, prefetch
         self._state_dict_keys = list(module.state_dict().keys())
         units = default_units(module) if units is None else list(units)
         owner = {}                                   # submodule -> index of the unit that contains it
@@ -212,17 +283,17 @@ class FSDP(nn.Module):
                     places.setdefault(p, []).append((m, attr, f"{name}.{attr}" if name else attr))
         if not places:
             raise ValueError("FSDP: the module has no parameters to shard")
+        if sync_module_states:                       # every rank starts from rank 0's values
+            broadcast_tensors(comm, list(places), 0, tag="fsdp_init")
         members = [[] for _ in range(len(units) + 1)]   # the last list is the root
         for p, pl in places.items():
             owners = {owner.get(m) for m, _, _ in pl}
             members[owners.pop() if len(owners) == 1 and None not in owners else -1].append(p)
-        self._gathered = {}                          # storage key of a gathered buffer -> its _Flat
+        self._gathered = {}                          # storage key of a gathered buffer -> its ShardedGroup
         self.units = [_Unit(self, m, members[i], [places[p] for p in members[i]])
                       for i, m in enumerate(units + [None]) if members[i]]
-        for p, pl in places.items():                 # the model keeps no parameter of its own from now on
-            for m, attr, _ in pl:
-                del m._parameters[attr]
-                setattr(m, attr, None)
+        for u in self.units:                         # the module's parameters are this rank's shards from now on
+            u.reshard()
         self.root = self.units[-1] if self.units[-1].module is None else None
         self._order = [u for u in self.units if u.module is not None]    # forward order
         for i, u in enumerate(self._order):
@@ -231,7 +302,6 @@ class FSDP(nn.Module):
             u.module.register_forward_hook(lambda mod, args, out, u=u: u.reshard())
         self._bwd_order = ([self.root] if self.root else []) + self._order[::-1]
         self._bwd_seen = set()
-        self.flat_params = nn.ParameterList([f.shard for u in self.units for f in u.flats])
 
     # ---------------------------------------------------------------- forward
     def _pre_forward(self, unit, nxt) -> None:
@@ -244,10 +314,9 @@ class FSDP(nn.Module):
             args = tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                          for a in args)
         self.reshard()
-        # Saved-tensor hooks nest by replacement (only the innermost pair runs), so remember the enclosing pair
-        # (e.g. a MemoryTracker labelling activations) and hand it every tensor that is not a gathered weight.
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), self._unpack):
+        # A MemoryTracker labelling activations (or any enclosing saved-tensor hooks) keeps seeing every tensor
+        # that is not a gathered weight.
+        with saved_tensors_hooks_over(self._pack, self._unpack):
             try:
                 if self.root is not None:
                     self._pre_forward(self.root, self._order[0] if self._order else None)
@@ -264,46 +333,56 @@ class FSDP(nn.Module):
             u.reshard()
 
     # ---------------------------------------------------------------- backward
-    def _pack(self, t: torch.Tensor, outer):
-        flat = self._gathered.get(t.untyped_storage()._cdata)
-        if flat is not None:                     # a gathered weight: keep where it was, not the tensor
-            return _Saved(flat, t.size(), t.stride(), t.storage_offset())
-        return _Outer(outer[1], outer[0](t)) if outer else t
+    def _pack(self, t: torch.Tensor):
+        group = self._gathered.get(t.untyped_storage()._cdata)
+        if group is not None:                    # a gathered weight: keep where it was, not the tensor
+            return _Saved(group, t.size(), t.stride(), t.storage_offset())
+        return t
 
     def _unpack(self, x):
-        if isinstance(x, _Saved):
-            unit = x.flat.unit
-            if unit not in self._bwd_seen:       # first use of this unit in this backward
-                if not self._bwd_seen:           # once per backward: free whatever is left at its end
-                    torch.autograd.Variable._execution_engine.queue_callback(self.reshard)
-                self._bwd_seen.add(unit)
-                unit.gather("fsdp_bwd_ag")
-                if self.prefetch:
-                    i = self._bwd_order.index(unit)
-                    for nxt in self._bwd_order[i + 1:i + 2]:
-                        nxt.gather("fsdp_bwd_ag")
-            unit.wait()
-            return x.flat.full.as_strided(x.size, x.stride, x.offset)
-        return x.unpack(x.packed) if isinstance(x, _Outer) else x
+        if not isinstance(x, _Saved):
+            return x
+        unit = x.group.unit
+        if unit not in self._bwd_seen:           # first use of this unit in this backward
+            if not self._bwd_seen:               # once per backward: free whatever is left at its end
+                torch.autograd.Variable._execution_engine.queue_callback(self.reshard)
+            self._bwd_seen.add(unit)
+            unit.gather("fsdp_bwd_ag")
+            if self.prefetch:
+                i = self._bwd_order.index(unit)
+                for nxt in self._bwd_order[i + 1:i + 2]:
+                    nxt.gather("fsdp_bwd_ag")
+        unit.wait()
+        return x.group.full.as_strided(x.size, x.stride, x.offset)
 
     # ---------------------------------------------------------------- sizes and the full state dict
     @property
     def padded_numel(self) -> int:
-        """P: the trainable parameters (a tied weight once) plus the zero padding that makes every unit's flat
-        parameter split evenly over the ranks."""
-        return sum(f.padded for u in self.units for f in u.flats if f.shard.requires_grad)
+        """P: the trainable parameters (a tied weight once), each padded to a multiple of N rows: what the
+        all-gathers and the reduce-scatter move."""
+        return sum(g.padded for u in self.units for g in u.groups if g.shards[0].requires_grad)
+
+    @property
+    def local_numel(self) -> int:
+        """Ψ_r: the trainable elements this rank keeps (what its optimizer steps)."""
+        return sum(g.local_numel for u in self.units for g in u.groups if g.shards[0].requires_grad)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """Every parameter gathered in full (the fp32 master values) and every buffer, keyed as the wrapped
-        module's state_dict() was before wrapping. Every rank gets it (one all-gather per flat parameter)."""
-        out = dict(self.module.state_dict())     # buffers: the parameters are gone from the module
-        for u in self.units:
-            for f in u.flats:
-                full = torch.empty(f.padded, dtype=f.shard.dtype)
-                wait_all(_start_all_gather(self.comm, f.shard.detach(), full, "fsdp_state_dict"))
-                self.comm.release()
-                for o, n, s, places in zip(f.offsets, f.numels, f.shapes, f.places):
-                    for _, _, name in places:
-                        out[name] = full[o:o + n].view(s).clone()
+        module's state_dict(). Every rank gets it (one all-gather per group, outside the training tag)."""
+        out = dict(self.module.state_dict())     # buffers (and the local shards, replaced below)
+        saved = self.compute_dtype
+        self.compute_dtype = None                # gather the fp32 masters, not a low-precision cast
+        try:
+            for u in self.units:
+                for g in u.groups:
+                    g.gather("fsdp_state_dict")
+                    g.wait()
+                    for view, places in zip(g.views(), g.places):
+                        for _, _, name in places:
+                            out[name] = view.clone()
+                    g.free()
+        finally:
+            self.compute_dtype = saved
         return {k: out[k] for k in self._state_dict_keys}

@@ -1,8 +1,13 @@
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from course_lib.memory import (CATEGORIES, MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError,
-                               alloc_category, fmt_bytes, parse_bytes)
+                               alloc_category, carry_tracking, fmt_bytes, parse_bytes, placed, register_category,
+                               saved_tensors_hooks_over)
 from course_lib.model import GPT, activation_bytes, block_activation_bytes, get_config
 from course_lib.train import TrainConfig, make_optimizer, profile_training_memory
 
@@ -142,5 +147,116 @@ def test_parse_and_format_bytes():
         parse_bytes("lots")
 
 
-def test_categories_are_the_documented_six():
-    assert CATEGORIES == ("parameters", "gradients", "optimizer", "activations", "comm", "other")
+def test_a_registered_category_labels_storage_and_an_unregistered_one_is_refused():
+    with pytest.raises(ValueError, match="register_category"):
+        with alloc_category("stashed weights (test)"):
+            pass
+    register_category("stashed weights (test)")
+    assert "stashed weights (test)" in CATEGORIES
+    with MemoryTracker() as mem:
+        with alloc_category("stashed weights (test)"):
+            w = torch.empty(300)
+    assert mem.current["stashed weights (test)"] == 1200 and mem.max_by_category["stashed weights (test)"] == 1200
+    del w
+
+
+def test_placement_moves_bytes_off_the_device_and_the_accelerator_counts_only_the_device():
+    with SimulatedAccelerator("4 KiB").track() as mem:
+        a = torch.empty(768)                              # 3 KiB on the device
+        with placed("host"):
+            b = torch.empty(768)                          # 3 KiB on the host: does not count against 4 KiB
+        mem.move(a, "host")                               # offload a: the device is empty again
+        c = torch.empty(1000)                             # 4000 B fits now
+        assert mem.total == 4000 and mem.total_at("host") == 6144
+        assert mem.current_at("host")["other"] == 6144 and mem.peak == 4000
+        mem.add_external("shard.bin", 10_000, "optimizer")
+        assert mem.current_at("disk")["optimizer"] == 10_000
+        mem.remove_external("shard.bin")
+        assert mem.total_at("disk") == 0 and mem.peak_at("disk") == 10_000
+        with pytest.raises(SimulatedOutOfMemoryError):
+            mem.move(b, "device")                         # 4000 + 3072 > 4096
+    report = mem.report()
+    assert report.at("host")["peak"] == 6144 and report.at("disk")["peak"] == 10_000
+    del a, b, c
+
+
+def test_labels_are_per_thread_and_carried_threads_are_counted():
+    """A communication thread allocating under alloc_category('comm') while the main thread allocates must not
+    relabel the main thread's bytes, and a thread started with carry_tracking is seen by the tracker."""
+    inside, go_on = threading.Event(), threading.Event()
+
+    def comm_thread():
+        with alloc_category("comm"):
+            buf = torch.empty(500)
+            inside.set()
+            go_on.wait(10)
+        return buf
+
+    with MemoryTracker() as mem:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(carry_tracking(comm_thread))
+            inside.wait(10)
+            mine = torch.empty(100)                      # main thread, while the other is inside alloc_category
+            go_on.set()
+            theirs = fut.result()
+    assert mem.current["comm"] == 2000 and mem.current["other"] == 400
+    del mine, theirs
+
+
+def test_saved_tensors_hooks_over_keeps_the_enclosing_tracker_counting():
+    m = GPT("nano")
+    x, y = torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))
+    seen = []
+    with MemoryTracker().watch(m) as mem:
+        with saved_tensors_hooks_over(lambda t: seen.append(1) or t, lambda t: t):
+            _, loss = m(x, y)
+        assert seen and mem.current["activations"] == activation_bytes(m.config, 2, 64)
+        loss.backward()
+        del loss
+        assert mem.current["activations"] == 0
+
+
+def test_timeline_uses_the_ledgers_clock():
+    t_before = time.perf_counter()
+    report, _, _ = profile_training_memory("nano", 2, 16, steps=1)
+    assert t_before <= report.t0 <= report.timeline[0][0] <= report.timeline[-1][0] <= time.perf_counter()
+    assert all(t_before <= t for t, _ in report.marks)
+
+
+def test_agrees_with_torch_memtracker_on_one_training_step():
+    """An independent accountant on the same step: torch's MemTracker (torch.distributed._tools.mem_tracker, private
+    API, exact on CPU). Model states must agree byte for byte. Activations are reconciled storage by storage: its
+    'act' is every storage created in forward and still alive (logits and loss included); ours is what autograd
+    saves for backward, plus 'other' for the rest. So every storage it calls 'act' is one of our activations or
+    others, and the only activations it does not see are tensors created before tracking started (the token ids)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    cfg = get_config("nano")
+    m = GPT(cfg)
+    opt = make_optimizer(m.parameters())
+    x, y = torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))
+    _step(m, opt)                                          # AdamW's state exists before both trackers start
+    opt.zero_grad(set_to_none=True)
+    inputs = {x.untyped_storage()._cdata, y.untyped_storage()._cdata}
+    theirs = MemTracker()
+    theirs.track_external(m, opt)
+    with MemoryTracker().watch(m, opt) as mem, theirs:
+        _, loss = m(x, y)
+        after_forward = dict(mem.current)
+        their_act = {st._cdata: info[0].mem_consumed for st, info in theirs._WINFO.items()
+                     if "ACT" in str(info[0].reftype)}
+        ours = {k: (v[0], v[1]) for k, v in mem._live.items() if isinstance(k, int)}
+        loss.backward()
+        opt.step()
+    snap = {str(k).split(".")[-1].lower(): v for k, v in theirs.get_tracker_snapshot("current")[torch.device("cpu")].items()}
+    params = list(m.parameters())
+    psi = sum(p.numel() for p in params)
+    assert snap["param"] == mem.current["parameters"] == 4 * psi
+    assert snap["grad"] == mem.current["gradients"] == 4 * psi
+    assert snap["opt"] == mem.current["optimizer"] == 8 * psi + 4 * len(params)
+    assert their_act and all(k in ours and ours[k][1] in ("activations", "other") and ours[k][0] == n
+                             for k, n in their_act.items())
+    unseen = {k for k, (n, cat) in ours.items() if cat == "activations" and k not in their_act}
+    assert unseen <= inputs, "every activation MemTracker misses must be an input created before tracking"
+    assert sum(their_act.values()) == after_forward["activations"] + after_forward["other"] \
+        - sum(ours[k][0] for k in unseen) - sum(b.numel() for b in m.buffers())   # buffers: its own category
+    assert after_forward["activations"] == activation_bytes(cfg, 4, 64)

@@ -81,29 +81,35 @@ class Probe:
 class LedgerProbe(Probe):
     """Bytes this rank sent per step and phase, read from the traffic ledger; optionally also marks each phase as
     a compute span in the ledger, so `plots.plot_timeline` shows it (communication inside a phase still shows on
-    the lower lane)."""
+    the lower lane). A background thread (the overlapped DDP's) may book bytes between two phases: they count for
+    the phase that follows, so the phases of a step always add up to everything the step sent."""
     name = "ledger"
 
     def __init__(self, comm, *, spans: bool = True, groups: tuple = ()):
         self.comm, self.spans, self.groups = comm, spans, tuple(groups)
         self.phase_bytes: list[dict] = []           # per step: {phase: bytes sent during it}
         self.group_bytes: list[dict] = []           # per step: {group: bytes sent in the whole step}
-        self._at = {}
+        self._last = 0                              # ledger total at the end of the previous phase
+        self._t0 = 0.0
 
     def _sent(self, group=None) -> int:
         return self.comm.ledger.bytes_sent(group=group)
+
+    def start(self, model, optimizer):
+        self._last = self._sent()
 
     def enter(self, step, phase):
         if len(self.phase_bytes) <= step:
             self.phase_bytes.append({})
             self.group_bytes.append({g: -self._sent(g) for g in self.groups})
-        self._at[phase] = (self._sent(), now())
+        self._t0 = now()
 
     def exit(self, step, phase):
-        sent0, t0 = self._at.pop(phase)
-        self.phase_bytes[step][phase] = self.phase_bytes[step].get(phase, 0) + self._sent() - sent0
+        sent = self._sent()
+        self.phase_bytes[step][phase] = self.phase_bytes[step].get(phase, 0) + sent - self._last
+        self._last = sent
         if self.spans:
-            self.comm._log("compute", phase, phase, t0)
+            self.comm._log("compute", phase, phase, self._t0)
 
     def after_step(self, step):
         for g in self.groups:

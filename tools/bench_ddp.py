@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Benchmark (not a test): step time of course_lib.parallel.dp's wrappers vs PyTorch's DistributedDataParallel, same model,
-same batches, same bucket cap, on real gloo ranks. Prints medians and ratios; asserts nothing (timings on a shared
-machine are noisy — compare ratios, and rerun).
+"""Benchmark (not a test): step time of course_lib.parallel.dp's wrappers vs PyTorch's DistributedDataParallel, same
+model, same batches, same bucket cap, on real gloo ranks, with the course's training loop (`train.run`). Prints
+medians and ratios; asserts nothing (timings on a shared machine are noisy — compare ratios, and rerun).
 
     python tools/bench_ddp.py                                  # micro preset, 2 and 4 ranks
     python tools/bench_ddp.py --preset mini --world-sizes 2 3 --steps 30 --bucket-kib 256
 
-Goal stated in the issue: own overlapped ≤ 1.2× torch DDP. The 'ring' rows use the from-scratch ring all-reduce
-(2(N−1) Python-driven messages per bucket); the 'backend' rows run torch.distributed's all-reduce on the same
-communication thread, which isolates the cost of the Python ring from the cost of the hooks, copies and thread.
+The 'ring' rows use the from-scratch ring all-reduce (2(N−1) Python-driven messages per bucket); the 'backend' rows
+run torch.distributed's all-reduce on the same communication thread, which isolates the cost of the Python ring
+from the cost of the hooks, copies and thread.
 """
 from __future__ import annotations
 
@@ -21,13 +21,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _median_step(ctx, wrap, cfg, tc, warmup):
+    from course_lib.parallel.compose import train_parallel
+    run, _ = train_parallel(ctx.comm, cfg, tc, wrap)
+    return statistics.median(run.step_seconds[warmup:])
+
+
 def main(argv=None) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from course_lib.parallel import dp as D
     from course_lib.dist.launch import launch
-    from course_lib.model import param_count
+    from course_lib.model import get_config, param_count
+    from course_lib.parallel import dp as D
     from course_lib.train import TrainConfig, make_optimizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,17 +59,15 @@ def main(argv=None) -> int:
     }
     if a.skip_naive:
         wrappers.pop("own naive (ring)")
-    print(f"preset {a.preset} (Ψ = {param_count(a.preset):,}), {a.micro_batch_size} sequences per rank, bucket cap "
+    cfg = get_config(a.preset)
+    print(f"preset {a.preset} (Ψ = {param_count(cfg):,}), {a.micro_batch_size} sequences per rank, bucket cap "
           f"{a.bucket_kib} KiB, median step time over steps 3..{a.steps - 1}, best of {a.repeats}")
     for n in a.world_sizes:
         tc = TrainConfig(steps=a.steps, batch_size=n * a.micro_batch_size)
         times = {}
         for name, wrap in wrappers.items():
-            best = float("inf")
-            for _ in range(a.repeats):
-                runs = launch(D.run_data_parallel, n, wrap, a.preset, tc, timeout=600)
-                best = min(best, statistics.median(s for r in runs for s in r.step_seconds[3:]))
-            times[name] = best
+            times[name] = min(statistics.median(launch(_median_step, n, wrap, cfg, tc, 3, timeout=600))
+                              for _ in range(a.repeats))
         base = times["torch DDP"]
         print(f"\nworld_size {n}:")
         for name, t in times.items():

@@ -88,9 +88,35 @@ def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, optimizer_cls=torc
     return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
 
 
+def train_parallel(mesh_or_comm, cfg, tc, wrap, *, model: nn.Module | None = None, probes=(), accum_steps: int = 1,
+                   keep_params: bool = False, progress: bool = False):
+    """Train the course GPT (or `model`) on this rank with `train.run`: `wrap(model, comm)` returns the wrapped
+    model (its optimizer is then the course's AdamW over its parameters) or a (model, optimizer) pair; the data is
+    this dp rank's share of each global batch of `tc.batch_size` sequences, in `accum_steps` micro-steps. Returns
+    (train.Run, the wrapped model). Comparable with `train.train_reference(cfg, tc)` on one process."""
+    from ..model import GPT
+    from ..train import make_optimizer, run
+    comm = axis_comm(mesh_or_comm, "dp")
+    model = GPT(cfg, seed=tc.seed) if model is None else model
+    wrapped = wrap(model, comm)
+    wrapped, optimizer = wrapped if isinstance(wrapped, tuple) else (wrapped, None)
+    if optimizer is None:
+        optimizer = make_optimizer(getattr(wrapped, "module", wrapped).parameters(), tc)
+    batches = data_parallel_batches(mesh_or_comm, model.config.seq_len if hasattr(model, "config") else cfg.seq_len,
+                                    tc.batch_size, accum_steps=accum_steps, seed=tc.data_seed)
+    try:
+        out = run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, keep_params=keep_params,
+                  progress=progress)
+    finally:
+        if hasattr(wrapped, "close"):      # the overlapped DDP's communication thread
+            wrapped.close()
+    return out, wrapped
+
+
 def _whole(model: nn.Module) -> int:
     """A cap that puts every parameter into one bucket."""
     return max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "axis_comm", "data_parallel_batches", "DP_KINDS", "STAGE_NAMES"]
+__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS",
+           "STAGE_NAMES"]

@@ -11,7 +11,7 @@ workstations", JPDC 2009, and NCCL):
     all_reduce_tree     reduce_tree to 0, then broadcast_tree from 0       2⌈log₂p⌉ steps
     reduce_scatter_ring p−1 steps, each rank passes one chunk right       sends S − |chunk r|
     all_gather_ring     p−1 steps                                          sends S − |chunk (r+1) mod p|
-    all_reduce_ring     reduce-scatter + all-gather                        2(p−1)/p·S when p divides n  (FACTS §1)
+    all_reduce_ring     reduce-scatter + all-gather                        2(p−1)/p·S when p divides n  (formulas §1.1)
     all_reduce_rhd      recursive halving (RS) + recursive doubling (AG) (Rabenseifner); the p − p' ranks above
                         p' = 2^⌊log₂p⌋ fold in first                       2(p'−1)/p'·S in the power-of-two core
 

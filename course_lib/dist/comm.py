@@ -8,7 +8,7 @@ Two kinds of entries:
   * point-to-point (send / recv / isend / irecv): the bytes are exactly what was handed to the transport;
   * the backend's own collectives (broadcast / all_reduce / all_gather / reduce_scatter): the backend picks its
     algorithm invisibly, so the ledger records the *nominal* bytes of the bandwidth-optimal ring
-    (FACTS.md §1: all-reduce 2(p−1)/p·S, all-gather and reduce-scatter (p−1)/p·S, broadcast S from the root)
+    (docs/formulas.md §1.1: all-reduce 2(p−1)/p·S, all-gather and reduce-scatter (p−1)/p·S, broadcast S from the root)
     and marks the entry `nominal=True`. Notebooks that assert traffic use the from-scratch algorithms of
     `course_lib.dist.collectives`, whose ledger entries are all point-to-point and therefore measured.
 """

@@ -166,7 +166,7 @@ def _rank_main(fn, rank, world_size, backend, port, listen_fd, args, kwargs, con
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
         os.setpgid(0, 0)           # own process group: killpg reaches anything the rank starts
         _die_with_parent()
-        torch.set_num_threads(1)   # forked children hang in their first matmul without this (PLATFORM.md)
+        torch.set_num_threads(1)   # a forked child hangs in its first matmul if the parent ran threaded ops
         sys.stdout = _PrefixedStream(1, "")
         sys.stderr = _PrefixedStream(2, f"[rank {rank}] ")
         # Rank 0 serves the rendezvous store on the socket the caller opened (no free-port race, and no store

@@ -1,0 +1,35 @@
+#!/bin/sh
+# Soak test (not part of `make test`): clone the committed HEAD into a fresh folder, then run the README's test
+# command N times in a row (default 5) while a CPU hog keeps one core busy beside it, and print the pass count.
+# A flaky test shows up here long before it shows up in CI.
+#
+#     sh tools/soak.sh          # 5 runs
+#     sh tools/soak.sh 10       # 10 runs; logs stay in the printed folder if a run fails
+set -u
+runs=${1:-5}
+src=$(git rev-parse --show-toplevel) || exit 2
+work=$(mktemp -d "${TMPDIR:-/tmp}/course-soak.XXXXXX")
+git clone -q "$src" "$work/course" || exit 2
+cd "$work/course" || exit 2
+yes > /dev/null &                                  # the hog: one core kept busy for the whole soak
+hog=$!
+failed=0
+cleanup() {
+    kill "$hog" 2>/dev/null
+    if [ "$failed" -eq 0 ]; then rm -rf "$work"; else echo "logs of the failed runs: $work/course/soak-*.log"; fi
+}
+trap cleanup EXIT INT TERM
+passed=0
+i=1
+while [ "$i" -le "$runs" ]; do
+    start=$(date +%s)
+    if make test > "soak-$i.log" 2>&1; then
+        passed=$((passed + 1)); verdict=passed
+    else
+        failed=$((failed + 1)); verdict="FAILED ($(grep -E '^(FAILED|ERROR) ' "soak-$i.log" | head -3 | tr '\n' ' '))"
+    fi
+    echo "run $i of $runs: $verdict in $(( $(date +%s) - start )) s ($(tail -n 1 "soak-$i.log" | tr -d '=' | sed 's/^ *//'))"
+    i=$((i + 1))
+done
+echo "soak: $passed of $runs runs of make test passed on a fresh clone with a CPU hog beside them"
+[ "$passed" -eq "$runs" ]

@@ -3,20 +3,19 @@
 Every technique the notebooks teach lives here once, as a short readable module; notebooks import it,
 show it (`show_source`) and measure it.
 
-    model        toy GPT (presets ~50 K – ~20 M parameters), parameter and FLOP counts
+    model        toy GPT (presets ~44 K – ~20 M parameters), parameter, FLOP and activation counts
     data         shipped real-text corpus, byte tokenizer, rank-sharded deterministic batches
-    train        the single-process reference training loop every technique is compared against
-    memory       exact live-bytes accounting by category, timeline, simulated accelerator (OOM)
-    launch       real ranks: processes joined by torch.distributed, with timeouts and tracebacks
-    comm         the traffic ledger: a thin communicator recording bytes per rank, op and tag
-    collectives  broadcast / reduce / all-reduce / all-gather / reduce-scatter built from send/recv
-    transports   TCP / shared-memory / memcpy measurements between two processes; the RDMA/GPUDirect path model
-    ddp          data parallelism: naive, bucketed and overlapped gradient all-reduce (any nn.Module)
-    zero         ZeRO-1/2: a sharded optimizer wrapping any torch.optim class
-    fsdp         ZeRO-3 / FSDP: parameters sharded per unit, gathered for compute
+    train        THE training loop (`run`, with probes: ledger, memory, gradients) and the single-process reference
+    memory       exact live bytes by category × placement (device/host/disk), timeline, simulated accelerator
     costmodel    alpha-beta link model with sourced presets and a calibration helper ("modeled")
     plots        per-rank timelines, memory by category, traffic bars
-    checks       lab checks: one pass line with the measured figure, or one failure with a hint
+    dist/        launch (real ranks), comm (the traffic ledger), mesh (pp × dp × tp), collectives, flat buffers
+    parallel/    dp (DDP), zero (ZeRO-1/2), fsdp (ZeRO-3), compose (apply_<technique>, in the order they compose)
+    memopt/      memory-saving techniques (offload, recomputation, precision)
+    transports/  TCP / RDMA / GPUDirect: measured paths between processes, the modeled exchange
+    checks/      lab checks: one pass line with the measured figure, or one failure with a hint
+
+The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """
 from ._env import EnvironmentProblem, check_environment, check_python
 

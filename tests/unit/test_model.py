@@ -54,9 +54,21 @@ def test_init_is_deterministic_from_the_seed():
     assert any(not torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters()))
 
 
-def test_tied_weights_share_storage():
-    m = GPT(get_config("nano", tie_weights=True))
-    assert m.lm_head.weight is m.wte.weight
+def test_a_tied_weight_gets_the_sum_of_both_uses_gradients():
+    """Tying makes the embedding and the LM head one parameter: its gradient is the untied embedding's gradient plus
+    the untied head's, from one backward."""
+    tied = GPT(get_config("nano", tie_weights=True), seed=3)
+    untied = GPT("nano", seed=3)
+    with torch.no_grad():
+        for (name, p), q in zip(untied.named_parameters(), untied.parameters()):
+            if name != "lm_head.weight":
+                q.copy_(dict(tied.named_parameters())[name])
+        untied.lm_head.weight.copy_(tied.wte.weight)
+    x = torch.randint(0, 256, (2, 16))
+    tied(x, x)[1].backward()
+    untied(x, x)[1].backward()
+    assert count_parameters(tied) == count_parameters(untied) - 256 * 32
+    torch.testing.assert_close(tied.wte.weight.grad, untied.wte.weight.grad + untied.lm_head.weight.grad)
 
 
 def test_forward_shapes_and_too_long_sequence():
@@ -87,9 +99,40 @@ def test_stage_bounds_are_contiguous_and_balanced():
         stage_bounds(2, 0)
 
 
-def test_tp_linears_addressable_by_name():
-    m = GPT("nano")
+def test_the_tp_plan_splits_each_block_so_that_partial_results_sum_to_the_full_one():
+    """TP_PLAN is a valid Megatron plan: cut every 'column' linear by output features and every 'row' linear by
+    input features into two halves; running each half of the attention (one half of the heads) and of the MLP and
+    adding the two partial outputs gives the unsplit block's output."""
+    m = GPT("nano", seed=1)
+    blk = m.blocks[0]
     lin = m.tp_linears()
-    assert len(lin) == m.config.n_layer * len(TP_PLAN)
-    assert lin["blocks.1.mlp.fc_in"][1] == "column" and lin["blocks.0.attn.wo"][1] == "row"
-    assert lin["blocks.0.attn.wq"][0] is m.blocks[0].attn.wq
+    assert {k.split(".", 2)[2] for k in lin} == set(TP_PLAN) and len(lin) == m.config.n_layer * len(TP_PLAN)
+    h = torch.randn(2, 8, m.config.d_model)
+
+    def half(module, kind, i):
+        w, b = module.weight.detach(), module.bias.detach()
+        if kind == "column":        # half of the output features, with their biases
+            cut = w.shape[0] // 2
+            w, b = w[i * cut:(i + 1) * cut], b[i * cut:(i + 1) * cut]
+        else:                       # row: half of the input features; the bias is added once
+            cut = w.shape[1] // 2
+            w, b = w[:, i * cut:(i + 1) * cut], b * (i == 0)
+        part = torch.nn.Linear(w.shape[1], w.shape[0])
+        with torch.no_grad():
+            part.weight.copy_(w)
+            part.bias.copy_(b)
+        return part
+
+    for name in ("attn", "mlp"):
+        sub = getattr(blk, name)
+        full = sub(h)
+        parts = []
+        for i in range(2):
+            copy = type(sub).__new__(type(sub))
+            copy.__dict__.update(sub.__dict__)
+            copy._modules = dict(sub._modules)
+            for key, (module, kind) in lin.items():
+                if key.startswith(f"blocks.0.{name}."):
+                    copy._modules[key.rsplit(".", 1)[1]] = half(module, kind, i)
+            parts.append(copy(h))
+        torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-6)

@@ -77,36 +77,30 @@ def _check_placement(name: str) -> None:
 
 
 @contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def alloc_category(name: str):
     """Label every storage allocated inside the block, in this thread, as `name`."""
     _check_category(name)
-    token = _category.set(name)
-    try:
-        yield
-    finally:
-        _category.reset(token)
+    return _setting(_category, name)
 
 
-@contextlib.contextmanager
 def placed(placement: str):
     """Every storage allocated inside the block, in this thread, lives at `placement` ('device', 'host', 'disk')."""
     _check_placement(placement)
-    token = _placement.set(placement)
-    try:
-        yield
-    finally:
-        _placement.reset(token)
+    return _setting(_placement, placement)
 
 
-@contextlib.contextmanager
 def untracked():
     """Storage allocated inside the block, in this thread, is not counted: for a measurement's own bookkeeping
     (copies a probe keeps), which is not part of what is measured."""
-    token = _paused.set(True)
-    try:
-        yield
-    finally:
-        _paused.reset(token)
+    return _setting(_paused, True)
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -1,5 +1,6 @@
 """course_lib.dist.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives, and every
-rank's ledger bytes against the exact closed forms (FACTS.md §1).
+rank's ledger bytes against the exact closed forms (docs/formulas.md §1); and Lab 02's checks, which must name the
+real cause of plausible wrong answers.
 
 One launch per world size runs every case (algorithms × dtypes × ops × lengths, lengths not divisible by the world
 size included) and returns plain results; the tests below only read them, so the file stays fast.
@@ -16,7 +17,7 @@ from course_lib.dist.launch import launch
 pytestmark = pytest.mark.integration
 
 WORLD_SIZES = (2, 3, 4, 5)
-LENGTHS = (3, 13, 64)              # 3 < p for p = 4, 5 (empty chunks); 13 divisible by none; 64 by 2 and 4
+LENGTHS = (3, 13, 60)              # 3 < p for p = 4, 5 (empty chunks); 13 divisible by none; 60 by every p here
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16)
 OPS = ("sum", "max", "avg")
 TORCH_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
@@ -119,12 +120,14 @@ def _worker(ctx):
         return None
 
     base = torch.zeros(4 * p, 3)
+    L.reset()
     out["errors"]["non_contiguous"] = error(lambda: C.all_reduce_ring(comm, base.t()))
     out["errors"]["wrong_chunk"] = error(lambda: C.all_gather_ring(comm, torch.zeros(7), 4 * p + 1))
     out["errors"]["wrong_out"] = error(lambda: C.all_gather_ring(comm, torch.zeros(2), 2 * p, out=torch.zeros(3)))
     out["errors"]["avg_int"] = error(lambda: C.all_reduce(comm, torch.zeros(4, dtype=torch.int64), "avg"))
     out["errors"]["unknown_op"] = error(lambda: C.all_reduce(comm, torch.zeros(4), "mean"))
     out["errors"]["unknown_algorithm"] = error(lambda: C.all_reduce(comm, torch.zeros(4), algorithm="butterfly"))
+    out["messages_during_errors"] = len(L.events)
 
     out["trace"] = C.trace_ring_all_reduce(comm, chunk_len=2)
     comm.barrier()          # nothing may still be in flight when the next case (or the test) starts
@@ -184,9 +187,9 @@ def test_ring_all_reduce_sends_2_p_minus_1_over_p_S_when_p_divides_n(ranks):
         for c in out["all_reduce"]:
             if c["algorithm"] == "ring" and c["n"] % p == 0:
                 S = c["n"] * c["ref"].element_size()
-                assert c["sent"] * p == 2 * (p - 1) * S
+                assert c["sent"] * p == 2 * (p - 1) * S, f"p={p} n={c['n']}: {c['sent']} B"
                 checked += 1
-    assert checked > 0 or all(n % p for n in LENGTHS)
+    assert checked > 0, f"no length in LENGTHS is divisible by p={p}: the formula was not checked"
 
 
 def test_reduce_scatter_ring_matches_torch_and_respects_inplace(ranks):
@@ -254,10 +257,12 @@ def test_bad_input_raises_a_clear_error_before_any_message(ranks):
         assert "floating-point" in e["avg_int"]
         assert "unknown reduction 'mean'" in e["unknown_op"]
         assert "unknown all-reduce algorithm 'butterfly'" in e["unknown_algorithm"]
+        assert out["messages_during_errors"] == 0, "a rejected call sent or received something first"
 
 
-def test_closed_forms_reduce_to_facts_sheet_when_p_divides_n():
-    """FACTS §1: ring all-reduce 2(p−1)/p·S, all-gather and reduce-scatter (p−1)/p·S; Rabenseifner's core the same."""
+def test_closed_forms_reduce_to_the_formula_sheet_when_p_divides_n():
+    """docs/formulas.md §1.1, §1.3: ring all-reduce 2(p−1)/p·S, all-gather and reduce-scatter (p−1)/p·S;
+    Rabenseifner's the same as the ring's when p is a power of two."""
     for p in (2, 4, 8):
         n, elem = 8 * 3 * p, 4
         S = n * elem
@@ -268,3 +273,107 @@ def test_closed_forms_reduce_to_facts_sheet_when_p_divides_n():
             assert C.rhd_all_reduce_bytes(n, p, r, elem) * p == 2 * (p - 1) * S
         assert C.naive_all_reduce_bytes(n, p, 0, elem) == (p - 1) * S
         assert C.tree_broadcast_bytes(n, p, 0, elem) == (p - 1).bit_length() * S
+
+
+# ============================================================================ Lab 02's checks
+def _hierarchical(inside: str = "tp", across: str = "dp"):
+    """Lab 02's hierarchical all-reduce as a learner writes it: reduce-scatter and all-gather on the `inside` axis,
+    the shard all-reduced on the `across` axis (the solution is inside="tp", across="dp")."""
+    def hierarchical(mesh, tensor, op="sum"):
+        flat = tensor.view(-1)
+        shard = C.reduce_scatter_ring(mesh[inside], flat, op, inplace=True)
+        C.all_reduce_ring(mesh[across], shard, op)
+        C.all_gather_ring(mesh[inside], shard, flat.numel(), out=flat)
+        return tensor
+    return hierarchical
+
+
+def _lab02_solution():
+    """The reference answers of Lab 02's first two exercises (the solution notebook's code)."""
+    from course_lib.dist.mesh import Mesh
+    return (lambda comm, gpus_per_node: Mesh(comm, tp=gpus_per_node)), _hierarchical()
+
+
+@pytest.fixture
+def lab02_on_3x2(monkeypatch):
+    """Lab 02's checks on one 3 × 2 cluster only (N ≠ L, so swapped axes differ; one launch per check)."""
+    from course_lib.checks import lab02
+    monkeypatch.setattr(lab02, "CLUSTERS", ((3, 2),))
+    monkeypatch.setattr(lab02, "_RUNS", {})
+    return lab02
+
+
+def _fails_with(check, *args) -> str:
+    from course_lib.checks import CheckFailed
+    with pytest.raises(CheckFailed) as err:
+        check(*args)
+    message = str(err.value)
+    assert message.startswith("✘ ") and "hint:" in message, message
+    return message
+
+
+def test_lab02_checks_pass_the_reference_answers(lab02_on_3x2, capsys):
+    lab02 = lab02_on_3x2
+    cluster_mesh, hierarchical = _lab02_solution()
+    lab02.check_cluster_mesh(cluster_mesh)
+    lab02.check_hierarchical_all_reduce(hierarchical)
+    lab02.check_axis_bytes(hierarchical, lab02.axis_bytes_reference)
+    lab02.check_hierarchical_time(lab02.hierarchical_time_reference)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["✔ cluster_mesh", "✔ hierarchical_all_reduce", "✔ axis_bytes",
+                                                      "✔ hierarchical_time"], lines
+
+
+def test_lab02_mesh_with_swapped_axes_gets_the_innermost_axis_hint(lab02_on_3x2):
+    from course_lib.dist.mesh import Mesh
+    message = _fails_with(lab02_on_3x2.check_cluster_mesh, lambda comm, L: Mesh(comm, tp=comm.world_size // L))
+    assert "swapped" in message and "innermost" in message, message
+
+
+def test_lab02_all_reduce_without_the_cross_node_phase_is_told_to_add_it(lab02_on_3x2):
+    def node_only(mesh, tensor, op="sum"):
+        flat = tensor.view(-1)
+        shard = C.reduce_scatter_ring(mesh["tp"], flat, op, inplace=True)
+        C.all_gather_ring(mesh["tp"], shard, flat.numel(), out=flat)
+        return tensor
+    message = _fails_with(lab02_on_3x2.check_hierarchical_all_reduce, node_only)
+    assert "this node only" in message and "mesh['dp']" in message, message
+
+
+def test_lab02_all_reduce_without_the_all_gather_is_told_to_gather(lab02_on_3x2):
+    def no_gather(mesh, tensor, op="sum"):
+        shard = C.reduce_scatter_ring(mesh["tp"], tensor.view(-1), op, inplace=True)
+        C.all_reduce_ring(mesh["dp"], shard, op)
+        return tensor
+    message = _fails_with(lab02_on_3x2.check_hierarchical_all_reduce, no_gather)
+    assert "own shard is right" in message and "all-gather" in message, message
+
+
+@pytest.mark.parametrize("wrong, cause", [
+    ("swapped_axes", "mesh['tp']"),          # a correct sum, but the full buffer crosses nodes
+    ("flat_ring", "world communicator"),     # a correct sum, on no mesh axis at all
+    ("backend", "backend collectives"),      # gloo's own collectives: nominal bytes, nothing measured
+])
+def test_lab02_axis_bytes_names_where_the_bytes_went(lab02_on_3x2, wrong, cause):
+    def flat_ring(mesh, tensor, op="sum"):
+        return C.all_reduce_ring(mesh.world, tensor, op)
+
+    def backend(mesh, tensor, op="sum"):
+        mesh["tp"].all_reduce(tensor, op)
+        return mesh["dp"].all_reduce(tensor, op)
+
+    impl = {"swapped_axes": _hierarchical(inside="dp", across="tp"), "flat_ring": flat_ring, "backend": backend}[wrong]
+    lab02_on_3x2.check_hierarchical_all_reduce(impl)        # the result itself is right: only the bytes can tell
+    message = _fails_with(lab02_on_3x2.check_axis_bytes, impl, lab02_on_3x2.axis_bytes_reference)
+    assert cause in message, message
+
+
+def test_lab02_axis_bytes_from_the_even_split_formula_is_told_chunks_differ(lab02_on_3x2):
+    _, hierarchical = _lab02_solution()
+
+    def even_split(n, nodes, gpus_per_node, rank, elem):       # 2(L−1)/L·S and 2(N−1)/N·S/L, rounded
+        S = n * elem
+        return {"tp": round(2 * (gpus_per_node - 1) / gpus_per_node * S),
+                "dp": round(2 * (nodes - 1) / nodes * S / gpus_per_node)}
+    message = _fails_with(lab02_on_3x2.check_axis_bytes, hierarchical, even_split)
+    assert "chunks differ" in message or "ring_reduce_scatter_bytes" in message, message

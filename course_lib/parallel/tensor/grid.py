@@ -101,38 +101,57 @@ def _isqrt_exact(n: int) -> int | None:
     return r if r * r == n else None
 
 
-def make_grid(comm, kind: str, *, depth: int = 1) -> Grid:
-    """The grid of `kind` over every rank of `comm` (the world: every rank must call this, with the same
-    arguments). Raises before any group is made if the world size does not fit the grid."""
-    P = comm.world_size
+def grid_shape(kind: str, world_size: int, *, depth: int = 1) -> tuple[int, int]:
+    """(q, d) of the grid of `kind` on `world_size` ranks; one clear error if they do not form one."""
+    P = world_size
     if kind not in KINDS:
         raise ValueError(f"unknown grid {kind!r}; use one of {KINDS}")
     if kind == "1D":
-        return Grid("1D", P, 1, {"p": comm.rank}, {"p": comm})
+        return P, 1
     if kind == "2D":
-        q = _isqrt_exact(P)
-        if q is None:
+        if _isqrt_exact(P) is None:
             raise ValueError(f"2D tensor parallelism needs a square number of ranks (q×q: 4, 9, 16, …); got {P}. "
-                             f"Launch 4 or 9 ranks, or use 2.5D with depth={P // 4} if {P} = 4·depth")
-        mesh = Mesh(comm, dp=q, tp=q)                # rank = i·q + j
-        return Grid("2D", q, 1, {"i": mesh.dp_rank, "j": mesh.tp_rank, "l": 0},
-                    {"row": mesh["tp"].renamed("row"), "col": mesh["dp"].renamed("col"),
-                     "depth": mesh["pp"].renamed("depth")})
+                             f"Launch 4 or 9 ranks, or use 2.5D (q×q×depth ranks)")
+        return _isqrt_exact(P), 1
     if kind == "2.5D":
         if not isinstance(depth, int) or depth < 1 or P % depth or _isqrt_exact(P // depth) is None:
             raise ValueError(f"2.5D tensor parallelism needs q×q×depth ranks; {P} ranks with depth={depth!r} is not "
                              f"a square times the depth (e.g. 8 ranks: q=2, depth=2)")
-        q = _isqrt_exact(P // depth)
-        mesh = Mesh(comm, pp=depth, dp=q, tp=q)      # rank = (l·q + i)·q + j
-        return Grid("2.5D", q, depth, {"i": mesh.dp_rank, "j": mesh.tp_rank, "l": mesh.pp_rank},
-                    {"row": mesh["tp"].renamed("row"), "col": mesh["dp"].renamed("col"),
-                     "depth": mesh["pp"].renamed("depth")})
+        return _isqrt_exact(P // depth), depth
     q = round(P ** (1 / 3))
     if q ** 3 != P:
         raise ValueError(f"3D tensor parallelism needs a cube number of ranks (q×q×q: 8, 27, …); got {P}")
-    mesh = Mesh(comm, pp=q, dp=q, tp=q)              # rank = (i·q + j)·q + k
-    return Grid("3D", q, 1, {"i": mesh.pp_rank, "j": mesh.dp_rank, "k": mesh.tp_rank},
-                {"i": mesh["pp"].renamed("i"), "j": mesh["dp"].renamed("j"), "k": mesh["tp"].renamed("k")})
+    return q, 1
+
+
+def grid_of(kind: str, world_size: int, rank: int, *, depth: int = 1) -> Grid:
+    """Rank `rank`'s place on the grid, without communicators (what `layout` needs: for pictures and checks).
+    Ranks are numbered with the last coordinate fastest: 2D (i, j), 2.5D (l, i, j), 3D (i, j, k)."""
+    q, d = grid_shape(kind, world_size, depth=depth)
+    if kind == "1D":
+        coords = {"p": rank}
+    elif kind == "3D":
+        coords = {"i": rank // (q * q), "j": rank // q % q, "k": rank % q}
+    else:
+        coords = {"l": rank // (q * q), "i": rank // q % q, "j": rank % q}
+    return Grid(kind, q, d, coords, {})
+
+
+def make_grid(comm, kind: str, *, depth: int = 1) -> Grid:
+    """The grid of `kind` over every rank of `comm` (the world: every rank must call this, with the same
+    arguments), with one communicator per axis. Raises before any group is made if the ranks do not form it."""
+    grid = grid_of(kind, comm.world_size, comm.rank, depth=depth)
+    q, d = grid.q, grid.d
+    if kind == "1D":
+        grid.comms = {"p": comm}
+    elif kind == "3D":                               # the mesh's (pp, dp, tp) are the grid's (i, j, k)
+        mesh = Mesh(comm, pp=q, dp=q, tp=q)
+        grid.comms = {"i": mesh["pp"].renamed("i"), "j": mesh["dp"].renamed("j"), "k": mesh["tp"].renamed("k")}
+    else:                                            # (pp, dp, tp) are (l, i, j): rows, columns, depth
+        mesh = Mesh(comm, pp=d, dp=q, tp=q)
+        grid.comms = {"row": mesh["tp"].renamed("row"), "col": mesh["dp"].renamed("col"),
+                      "depth": mesh["pp"].renamed("depth")}
+    return grid
 
 
 # ============================================================================================ SUMMA (2D, 2.5D)
@@ -145,6 +164,7 @@ def _bcast(comm, block, root, tag):
 def summa(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa") -> torch.Tensor:
     """C = A·B on a q×q layer: C_ij = Σ_k A_ik·B_kj, with A_ik broadcast along row i and B_kj down column j."""
     row, col, (i, j) = grid["row"], grid["col"], (grid.coords["i"], grid.coords["j"])
+    a, b = a.contiguous(), b.contiguous()                         # the roots send them as they are
     c = a.new_zeros(a.shape[0], b.shape[1])
     for k in range(grid.q):
         c += _bcast(row, a, k, tag) @ _bcast(col, b, k, tag)     # (R/q, K/q) @ (K/q, N/q)
@@ -155,6 +175,7 @@ def summa_abt(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa_ab
     """C = A·Bᵀ: for l = 0…q−1, B_lj goes down column j, each rank forms A_ij·B_ljᵀ and row i reduces the sum to
     rank (i, l), which owns C_il."""
     row, col, (i, j) = grid["row"], grid["col"], (grid.coords["i"], grid.coords["j"])
+    a, b = a.contiguous(), b.contiguous()
     mine = None
     for l in range(grid.q):
         partial = a @ _bcast(col, b, l, tag).T                    # (R/q, N/q) @ (N/q, K/q)
@@ -167,6 +188,7 @@ def summa_atb(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa_at
     """C = Aᵀ·B: for l = 0…q−1, A_il goes along row i, each rank forms A_ilᵀ·B_ij and column j reduces the sum to
     rank (l, j), which owns C_lj."""
     row, col, (i, j) = grid["row"], grid["col"], (grid.coords["i"], grid.coords["j"])
+    a, b = a.contiguous(), b.contiguous()
     mine = None
     for l in range(grid.q):
         partial = _bcast(row, a, l, tag).T @ b                    # (K/q, R/q) @ (R/q, N/q)
@@ -188,7 +210,7 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        grid, dy = ctx.grid, dy.contiguous()
+        grid = ctx.grid
         dx = summa_abt(grid, dy, w, "bwd_dx")                     # dX = dY·Wᵀ
         dw = summa_atb(grid, x, dy, "bwd_dw")                     # dW = Xᵀ·dY, this layer's rows only
         all_reduce_ring(grid["depth"], dw, tag="bwd_dw_depth")    # Σ over the d layers (2D: a group of one)
@@ -285,5 +307,5 @@ def colossal_bandwidth(kind: str, *, q: int, d: int = 1) -> float:
             "3D": 6 * (q - 1) / q ** 3}[kind]
 
 
-__all__ = ["Grid", "make_grid", "summa", "summa_abt", "summa_atb", "GridLinear", "grid_bytes",
+__all__ = ["Grid", "make_grid", "grid_of", "grid_shape", "summa", "summa_abt", "summa_atb", "GridLinear", "grid_bytes",
            "grid_memory", "colossal_bandwidth", "COLOSSAL_BANDWIDTH", "KINDS"]

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ...dist.collectives import ring_all_reduce_bytes
+from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...model import GPT
-from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, padded_vocab,
-                       vocab_parallel_cross_entropy)
+from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
+                       padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
 from .sequence import SequenceParallelLayerNorm, SequenceParallelRegion, saving_slice_only
 
 STYLES = ("vocab_embedding", "region", "colwise", "rowwise", "sequence", "replicate", "vocab_head")
@@ -220,8 +220,6 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
         sp_params   SP: the gradients of what is replicated but used on a slice of the sequence (LayerNorms,
                     row-parallel biases, positions), summed over the tp ranks
     """
-    from ...dist.collectives import ring_all_gather_bytes, ring_reduce_scatter_bytes
-    from .megatron import layer_bytes, sp_layer_bytes
     b, s, h, t, L = micro_batch_size, seq_len or cfg.seq_len, cfg.d_model, tp_size, cfg.n_layer
     ar = ring_all_reduce_bytes(b * s * h, t, rank, elem)
     ag = ring_all_gather_bytes(b * s * h, t, rank, elem)

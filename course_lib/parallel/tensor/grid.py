@@ -53,10 +53,6 @@ class Grid:
     coords: dict
     comms: dict = field(repr=False)
 
-    @property
-    def size(self) -> int:
-        return {"1D": self.q, "2D": self.q ** 2, "2.5D": self.q ** 2 * self.d, "3D": self.q ** 3}[self.kind]
-
     def __getitem__(self, axis: str):
         return self.comms[axis]
 
@@ -163,38 +159,34 @@ def _bcast(comm, block, root, tag):
 
 def summa(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa") -> torch.Tensor:
     """C = A·B on a q×q layer: C_ij = Σ_k A_ik·B_kj, with A_ik broadcast along row i and B_kj down column j."""
-    row, col, (i, j) = grid["row"], grid["col"], (grid.coords["i"], grid.coords["j"])
     a, b = a.contiguous(), b.contiguous()                         # the roots send them as they are
     c = a.new_zeros(a.shape[0], b.shape[1])
     for k in range(grid.q):
-        c += _bcast(row, a, k, tag) @ _bcast(col, b, k, tag)     # (R/q, K/q) @ (K/q, N/q)
+        c += _bcast(grid["row"], a, k, tag) @ _bcast(grid["col"], b, k, tag)     # (R/q, K/q) @ (K/q, N/q)
     return c
+
+
+def _bcast_reduce(grid: Grid, block, along: str, product, across: str, mine: str, tag: str) -> torch.Tensor:
+    """For l = 0…q−1: broadcast `block` from group rank l `along` one axis, form product(received), and reduce the
+    products `across` the other axis to group rank l. Returns the sum this rank is the root of (coordinate `mine`)."""
+    out = None
+    for l in range(grid.q):
+        partial = product(_bcast(grid[along], block.contiguous(), l, tag))
+        reduce_tree(grid[across], partial, l, tag=tag)
+        out = partial if grid.coords[mine] == l else out
+    return out
 
 
 def summa_abt(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa_abt") -> torch.Tensor:
     """C = A·Bᵀ: for l = 0…q−1, B_lj goes down column j, each rank forms A_ij·B_ljᵀ and row i reduces the sum to
     rank (i, l), which owns C_il."""
-    row, col, (i, j) = grid["row"], grid["col"], (grid.coords["i"], grid.coords["j"])
-    a, b = a.contiguous(), b.contiguous()
-    mine = None
-    for l in range(grid.q):
-        partial = a @ _bcast(col, b, l, tag).T                    # (R/q, N/q) @ (N/q, K/q)
-        reduce_tree(row, partial, l, tag=tag)
-        mine = partial if j == l else mine
-    return mine
+    return _bcast_reduce(grid, b, "col", lambda b_lj: a @ b_lj.T, "row", "j", tag)   # (R/q, N/q) @ (N/q, K/q)
 
 
 def summa_atb(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa_atb") -> torch.Tensor:
     """C = Aᵀ·B: for l = 0…q−1, A_il goes along row i, each rank forms A_ilᵀ·B_ij and column j reduces the sum to
     rank (l, j), which owns C_lj."""
-    row, col, (i, j) = grid["row"], grid["col"], (grid.coords["i"], grid.coords["j"])
-    a, b = a.contiguous(), b.contiguous()
-    mine = None
-    for l in range(grid.q):
-        partial = _bcast(row, a, l, tag).T @ b                    # (K/q, R/q) @ (R/q, N/q)
-        reduce_tree(col, partial, l, tag=tag)
-        mine = partial if i == l else mine
-    return mine
+    return _bcast_reduce(grid, a, "row", lambda a_il: a_il.T @ b, "col", "i", tag)   # (K/q, R/q) @ (R/q, N/q)
 
 
 class _Summa(torch.autograd.Function):
@@ -234,7 +226,7 @@ def _scatter_rows(comm, block, tag):
 
 class _Cube(torch.autograd.Function):
     """Y = X·W on a q×q×q grid (3D): gather the blocks X_ik (along j) and W_kj (along i), multiply, reduce-scatter
-    along k. Saves the gathered blocks (what Colossal-AI's 3D layer does), so backward needs no second gather."""
+    along k. Saves the gathered blocks (as Colossal-AI's `_Linear3D` does), so backward needs no second gather."""
 
     @staticmethod
     def forward(ctx, x, w, grid):

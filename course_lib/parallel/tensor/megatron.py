@@ -95,8 +95,10 @@ def gather_seq(comm, x: torch.Tensor, tag: str, dim: int = 1) -> torch.Tensor:
     t = comm.world_size
     if t == 1:
         return x
-    with _recorded("all_gather", tag, x.numel() * t):
-        out = collectives.all_gather_ring(comm, x.contiguous().view(-1), tag=tag)   # (t·B·T/t·d,): rank-major
+    # allocated here, not as a comm buffer: with B = 1 the result below is a view of it, and a linear may save it
+    out = x.new_empty(t * x.numel())                                                 # (t·B·T/t·d,): rank-major
+    with _recorded("all_gather", tag, out.numel()):
+        collectives.all_gather_ring(comm, x.contiguous().view(-1), out=out, tag=tag)
     # (t, B, T/t, d) → (B, t, T/t, d) → (B, T, d): rank r's slice is positions [r·T/t, (r+1)·T/t)
     return out.view(t, *x.shape).movedim(0, dim).reshape(*x.shape[:dim], t * x.shape[dim], *x.shape[dim + 1:])
 
@@ -211,6 +213,9 @@ class ColumnParallelLinear(nn.Linear):
                 self.bias.copy_(_shard(linear.bias, 0, comm.rank, t))
         self.comm, self.input_f, self.tag, self.full_out_features = comm, input_f, tag, linear.out_features
 
+    def reset_parameters(self):
+        """Nothing to draw: the slices come from the whole layer (and no random numbers are used up here)."""
+
     def forward(self, x):
         if self.input_f:
             x = f.apply(x, self.comm, f"{self.tag}:f")
@@ -241,6 +246,9 @@ class RowParallelLinear(nn.Linear):
             if self.bias is not None:
                 self.bias.copy_(linear.bias.detach())
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, tag
+
+    def reset_parameters(self):
+        """Nothing to draw: the slices come from the whole layer (and no random numbers are used up here)."""
 
     def forward(self, x):
         partial = F.linear(x, self.weight)                          # (B, T, n): this rank's share of the sum

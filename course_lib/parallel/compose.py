@@ -118,5 +118,7 @@ def _whole(model: nn.Module) -> int:
     return max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS",
-           "STAGE_NAMES"]
+from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)
+
+__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "apply_tp", "axis_comm", "data_parallel_batches", "train_parallel",
+           "DP_KINDS", "STAGE_NAMES"]

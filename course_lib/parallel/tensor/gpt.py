@@ -1,0 +1,269 @@
+"""`apply_tp(model, mesh)`: the course GPT made tensor-parallel over the mesh's tp axis, from a table of
+(module, style) built on `course_lib.model.TP_PLAN` — Megatron 1D, optionally with sequence parallelism.
+
+    style              what happens to the module                                           communication
+    vocab_embedding    VocabParallelEmbedding: rows of the (padded) vocabulary              g  (SP: ḡ)
+    region             attention / MLP: f on its input, once (SP: g, the sequence gathered) f  (SP: g_sp)
+    colwise            ColumnParallelLinear (q, k, v, fc_in)                                none
+    rowwise            RowParallelLinear (wo, fc_out)                                       g  (SP: ḡ)
+    sequence           LayerNorm (SP): on a slice of the sequence, parameter gradients summed    (SP only)
+    replicate          kept whole on every rank (1D LayerNorms, positions)                  none
+    vocab_head         lm_head split by vocabulary rows → logits (B, T, V/t) → vocab-parallel cross-entropy
+
+Why "region" and not f inside every column-parallel linear: q, k and v share one input, so three f's would
+all-reduce its gradient three times — 6 all-reduces per block instead of Megatron's 4 (`plan="naive"` shows it;
+DTensor's plain ColwiseParallel plan does the same until `PrepareModuleInput` replicates the attention input once).
+
+The model keeps its parameter names (`blocks.0.attn.wq.weight` is now this rank's rows of it), so gradients and
+weights compare name by name with the single-process model: `local_shard(name, full)` cuts the reference's tensor
+the way this rank holds it. Checked against: loss and every gradient equal the single-process model's (float64),
+and per layer the ledger shows `megatron.layer_bytes` (docs/formulas.md §4.1).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ...model import GPT
+from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
+                       padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
+from .sequence import SequenceParallelLayerNorm, SequenceParallelRegion, saving_slice_only
+
+STYLES = ("vocab_embedding", "region", "colwise", "rowwise", "sequence", "replicate", "vocab_head")
+_KIND_TO_STYLE = {"column": "colwise", "row": "rowwise"}
+
+
+def tp_plan(model: GPT, *, sequence_parallel: bool = False, plan: str = "megatron") -> list[tuple[str, str]]:
+    """The table `apply_tp` follows: (module name, style) for every module tensor parallelism touches.
+    plan='megatron' puts f (or SP's g) once at the entry of attention and MLP; 'naive' lets every column-parallel
+    linear apply its own f (1D only)."""
+    if plan not in ("megatron", "naive"):
+        raise ValueError(f"plan must be 'megatron' (f once per region: 4 all-reduces per block) or 'naive' "
+                         f"(f in every column-parallel linear: 6), got {plan!r}")
+    if plan == "naive" and sequence_parallel:
+        raise ValueError("sequence parallelism needs plan='megatron': the sequence is gathered once per region")
+    per_rank = "sequence" if sequence_parallel else "replicate"
+    table = [("wte", "vocab_embedding"), ("wpe", per_rank)]
+    linears = model.tp_linears()                                # 'blocks.{i}.attn.wq' -> (module, 'column' | 'row')
+    for i in range(len(model.blocks)):
+        table.append((f"blocks.{i}.ln1", per_rank))
+        if plan == "megatron":
+            table.append((f"blocks.{i}.attn", "region"))
+        table += [(n, _KIND_TO_STYLE[k]) for n, (_, k) in linears.items() if n.startswith(f"blocks.{i}.attn.")]
+        table.append((f"blocks.{i}.ln2", per_rank))
+        if plan == "megatron":
+            table.append((f"blocks.{i}.mlp", "region"))
+        table += [(n, _KIND_TO_STYLE[k]) for n, (_, k) in linears.items() if n.startswith(f"blocks.{i}.mlp.")]
+    return table + [("ln_f", per_rank), ("lm_head", "vocab_head")]
+
+
+def check_tp(cfg, tp_size: int, *, sequence_parallel: bool = False, pad_vocab: bool = True) -> int:
+    """Raise one clear error if the model cannot be split over tp_size ranks (called before any communication).
+    Returns the vocabulary size the embedding and head are split with (padded to a multiple of tp_size)."""
+    t = tp_size
+    divisors = [k for k in range(1, cfg.n_head + 1) if cfg.n_head % k == 0]
+    if cfg.n_head % t:
+        raise ValueError(f"tensor parallelism splits attention by heads: tp_size={t} does not divide "
+                         f"n_head={cfg.n_head}; use tp_size in {divisors} (or a model with more heads)")
+    if cfg.d_model % t or (cfg.mlp_ratio * cfg.d_model) % t:
+        raise ValueError(f"tp_size={t} does not divide the hidden size d_model={cfg.d_model} (or the MLP's "
+                         f"{cfg.mlp_ratio * cfg.d_model}); use tp_size in {divisors}")
+    if sequence_parallel and cfg.seq_len % t:
+        raise ValueError(f"sequence parallelism splits the sequence: tp_size={t} does not divide "
+                         f"seq_len={cfg.seq_len}; use a seq_len that is a multiple of {t}")
+    if cfg.vocab_size % t and not pad_vocab:
+        raise ValueError(f"tp_size={t} does not divide vocab_size={cfg.vocab_size}: pass pad_vocab=True to pad the "
+                         f"vocabulary to {padded_vocab(cfg.vocab_size, t)} (rows never looked up, logits masked to "
+                         f"-inf, so the loss is unchanged), or use a tp_size that divides {cfg.vocab_size}")
+    return padded_vocab(cfg.vocab_size, t)
+
+
+class TensorParallelGPT(nn.Module):
+    """The course GPT after `apply_tp`: the same submodules under the same names, each in its tensor-parallel form.
+    `forward(idx, targets)` returns (this rank's logits (B, T, V/t), loss); `embed`, `blocks`, `head` and `loss`
+    are the pieces, as in `GPT`. With sequence parallelism, what flows between blocks is (B, T/t, d)."""
+
+    def __init__(self, model: GPT, comm, table, *, sequence_parallel: bool, regather: bool, vocab: int):
+        super().__init__()
+        self.config, self.comm, self.table = model.config, comm, list(table)
+        self.sequence_parallel, self.regather, self.vocab = sequence_parallel, regather, vocab
+        self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = (model.wte, model.wpe, model.blocks, model.ln_f,
+                                                                   model.lm_head)
+        self._split = {}                          # parameter name -> (dim, rows padded to) of what this rank holds
+        for name, module in self.named_modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                rows = vocab if module in (self.wte, self.lm_head) else None
+                self._split.update({f"{name}.{p}": (0, rows) for p, _ in module.named_parameters()})
+            elif isinstance(module, RowParallelLinear):
+                self._split[f"{name}.weight"] = (1, None)
+
+    @property
+    def tp_size(self) -> int:
+        return self.comm.world_size
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.config.seq_len}")
+        x = self.wte(idx)                                       # (B, T, d), or (B, T/t, d) with SP
+        if not self.sequence_parallel:
+            return x + self.wpe(torch.arange(T))
+        n = T // self.tp_size                                    # SP: the positions of this rank's slice
+        pos = torch.arange(self.comm.rank * n, (self.comm.rank + 1) * n)
+        return x + nn.functional.embedding(pos, f.apply(self.wpe.weight, self.comm, "sp_params/wpe.weight"))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_f(x)
+        if not self.sequence_parallel:
+            return self.lm_head(f.apply(x, self.comm, "lm_head:f"))        # (B, T, V/t)
+        full = g_sp.apply(x, self.comm, "lm_head:g")                      # (B, T, d)
+        if not self.regather:
+            return self.lm_head(full)
+        with saving_slice_only(self.comm, x, full, "sp_regather/lm_head.bwd"):
+            return self.lm_head(full)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.comm, start=self.comm.rank * logits.shape[-1],
+                                            vocab_size=self.config.vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        if self.sequence_parallel and idx.shape[1] % self.tp_size:
+            raise ValueError(f"sequence parallelism splits the sequence: length {idx.shape[1]} is not a multiple "
+                             f"of tp_size={self.tp_size}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits, None if targets is None else self.loss(logits, targets)
+
+    def stage_bounds(self, n_stages: int):
+        from ...model import stage_bounds
+        return stage_bounds(self.config.n_layer, n_stages)
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `full` (a parameter or gradient of the single-process model named `name`)."""
+        if name not in self._split:
+            return full
+        dim, rows = self._split[name]
+        if rows is not None and rows > full.shape[0]:            # the padded vocabulary: zero rows at the end
+            full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+        return full.chunk(self.tp_size, dim)[self.comm.rank]
+
+
+def apply_tp(model: GPT, mesh_or_comm, *, sequence_parallel: bool = False, regather: bool = True,
+             plan: str = "megatron", pad_vocab: bool = True) -> TensorParallelGPT:
+    """Tensor parallelism over the tp axis of `mesh_or_comm` (a Mesh, or a Communicator used as the tp group).
+
+    Every rank must hold the same `model` (built from the same seed); each keeps its slices. Sequence parallelism
+    (Korthikanti et al.) splits the LayerNorm regions along the sequence; `regather` keeps only a slice of each
+    region's input for backward (and gathers it again there). `pad_vocab` pads a vocabulary tp_size does not divide.
+    """
+    from ..compose import axis_comm        # here: compose re-exports apply_tp
+    if not isinstance(model, GPT):
+        raise TypeError(f"apply_tp rewrites the course GPT (course_lib.model.GPT), got {type(model).__name__}")
+    comm = axis_comm(mesh_or_comm, "tp")
+    table = tp_plan(model, sequence_parallel=sequence_parallel, plan=plan)
+    vocab = check_tp(model.config, comm.world_size, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
+    tied = model.config.tie_weights
+    for name, style in table:
+        module = model.get_submodule(name)
+        parent, _, attr = name.rpartition(".")
+        new = None
+        if style == "vocab_embedding":
+            new = VocabParallelEmbedding(module, comm, vocab=vocab, sequence_parallel=sequence_parallel, tag=name)
+        elif style == "colwise":
+            new = ColumnParallelLinear(module, comm, input_f=plan == "naive", tag=name)
+        elif style == "rowwise":
+            new = RowParallelLinear(module, comm, sequence_parallel=sequence_parallel, tag=name)
+        elif style == "sequence" and isinstance(module, nn.LayerNorm):
+            new = SequenceParallelLayerNorm(module, comm, tag=name)
+        elif style == "region" and sequence_parallel:
+            SequenceParallelRegion(module, comm, regather=regather, tag=name)
+        elif style == "region":
+            module.register_forward_pre_hook(lambda m, args, tag=f"{name}:f": (f.apply(args[0], comm, tag),
+                                                                              *args[1:]))
+        elif style == "vocab_head":
+            padded = nn.Linear(module.in_features, vocab, bias=False, dtype=module.weight.dtype)
+            with torch.no_grad():
+                padded.weight.copy_(torch.cat([module.weight.detach(), module.weight.new_zeros(
+                    vocab - module.out_features, module.in_features)]))
+            new = ColumnParallelLinear(padded, comm, input_f=False, tag=name)
+            if tied:                                 # one parameter: the embedding's rows are the head's rows
+                new.weight = model.wte.weight
+        if new is not None:
+            setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
+
+
+# ============================================================================================ traffic
+def layer_traffic(ledger, layer: int, group: str | None = None) -> dict:
+    """Bytes this rank sent for block `layer`'s activations, split by phase (tags ending in '.bwd' were sent in
+    backward), from the ledger. Parameter-gradient sums (SP's 'sp_params/…') and re-gathers are not included."""
+    out = {"forward": 0, "backward": 0}
+    for e in ledger.events:
+        if e.sent and group in (None, e.group) and e.tag.startswith(f"blocks.{layer}."):
+            out["backward" if e.tag.endswith(".bwd") else "forward"] += e.sent
+    return out
+
+
+def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *,
+                            sequence_parallel: bool = False, regather: bool = True, plan: str = "megatron",
+                            seq_len: int | None = None) -> dict:
+    """Bytes tp rank `rank` sends in one forward + backward of `apply_tp`'s model, by part (exact, ring collectives).
+
+        layers      n_layer × 4 all-reduces of b·s·h (`layer_bytes`); SP: 4 all-gathers + 4 reduce-scatters
+        naive       plan='naive': q, k, v (and fc_in) each all-reduce their input gradient: 2 more per layer
+        embed+head  the embedding's g and the head's f (SP: ḡ and g), b·s·h each
+        loss        the vocab-parallel cross-entropy: all-reduce(max) of b·s, all-reduce of 2·b·s
+        regather    SP with regather: the input of both regions of each layer and of the head, gathered again
+        sp_params   SP: the gradients of what is replicated but used on a slice of the sequence (LayerNorms,
+                    row-parallel biases, positions), summed over the tp ranks
+    """
+    b, s, h, t, L = micro_batch_size, seq_len or cfg.seq_len, cfg.d_model, tp_size, cfg.n_layer
+    ar = ring_all_reduce_bytes(b * s * h, t, rank, elem)
+    ag = ring_all_gather_bytes(b * s * h, t, rank, elem)
+    rs = ring_reduce_scatter_bytes(b * s * h, t, rank, elem)
+    out = {"layers": L * (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem),
+           "embed+head": 2 * ((ag + rs) if sequence_parallel else ar),
+           "loss": ring_all_reduce_bytes(b * s, t, rank, elem) + ring_all_reduce_bytes(2 * b * s, t, rank, elem)}
+    if plan == "naive":
+        out["naive"] = L * 2 * ar
+    if sequence_parallel and regather:
+        out["regather"] = (2 * L + 1) * ag
+    if sequence_parallel:
+        nb = 1 if cfg.bias else 0
+        sizes = L * ([h] * (2 * (1 + nb) + 2 * nb)) + [h] * (1 + nb) + [cfg.seq_len * h]
+        out["sp_params"] = sum(ring_all_reduce_bytes(n, t, rank, elem) for n in sizes)
+    return out
+
+
+# ============================================================================================ PyTorch's own
+def torch_tp_plan(*, prepare_input: bool = True) -> dict:
+    """The DTensor plan for one Block: ColwiseParallel for q, k, v, fc_in; RowwiseParallel for wo, fc_out. With
+    `prepare_input`, PrepareModuleInput marks the attention and MLP inputs replicated once — Megatron's f —
+    which takes the block from 6 all-reduces to 4."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(), "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+    if prepare_input:
+        for region in ("attn", "mlp"):
+            plan[region] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def torch_parallelize_blocks(model: GPT, device_mesh, *, prepare_input: bool = True) -> GPT:
+    """`parallelize_module` on every block of `model` over a 1-D DeviceMesh (the reference for `apply_tp`;
+    embedding and head stay whole). The toy attention reads `wq.out_features` to count its heads, and
+    parallelize_module leaves that at the global width while wq's output is now local: set it to the local one."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    t = device_mesh.size()
+    for block in model.blocks:
+        parallelize_module(block, device_mesh, torch_tp_plan(prepare_input=prepare_input))
+        block.attn.wq.out_features //= t
+    return model
+
+
+__all__ = ["apply_tp", "tp_plan", "check_tp", "TensorParallelGPT", "STYLES", "layer_traffic",
+           "tp_bytes_per_microbatch", "torch_tp_plan", "torch_parallelize_blocks"]

@@ -250,26 +250,26 @@ def block_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int
                            elem_bytes: int = 4) -> int:
     """Bytes one Block saves for backward, counted op by op for this implementation (fp32 by default):
 
-        elem·B·T·((8 + 2r)·d + n_head·T)  +  16·B·T  +  T²
+        elem·B·T·((8 + 2r)·d + n_head·T)  +  4·elem·B·T  +  T²
         └ tensors of width d: block input, ln1 out, q, k, v, attention output (reshape copy), residual, ln2 out (8d);
           MLP: fc_in out and GELU out (2·r·d); softmax output (n_head·T per token)
-                                            └ LayerNorm mean and rstd, fp32, 2 per LN  └ the causal mask (bool)
+                                    └ LayerNorm mean and rstd, 2 per LN, in the input's dtype on CPU  └ causal mask
     With r = 4 and no dropout this is Korthikanti et al.'s sbh(34 + 5as/h) (MLSys'23) less its dropout terms:
     16 elements of width d and one attention map per token.
     """
     c = get_config(cfg)
     B, T, d, r = batch_size, seq_len or c.seq_len, c.d_model, c.mlp_ratio
-    return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 16 * B * T + T * T
+    return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 4 * elem_bytes * B * T + T * T
 
 
 def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
     """Bytes the whole GPT saves for backward in one forward with separate input and target tensors:
     every block, plus the head (ln_f input and output, log-softmax output of width V, LN stats), the int64 token
-    ids and targets, the int64 positions, and cross-entropy's 4-byte total weight."""
+    ids and targets, the int64 positions, and cross-entropy's total weight (one element)."""
     c = get_config(cfg)
     B, T = batch_size, seq_len or c.seq_len
-    head = elem_bytes * B * T * (2 * c.d_model + c.vocab_size) + 8 * B * T
-    ids = 8 * B * T * 2 + 8 * T + 4
+    head = elem_bytes * B * T * (2 * c.d_model + c.vocab_size + 2)      # ln_f in/out, log-softmax, ln_f stats
+    ids = 8 * B * T * 2 + 8 * T + elem_bytes        # int64 ids, targets, positions; cross-entropy's total weight
     return c.n_layer * block_activation_bytes(c, B, T, elem_bytes) + head + ids
 
 

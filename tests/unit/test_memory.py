@@ -260,3 +260,16 @@ def test_agrees_with_torch_memtracker_on_one_training_step():
     assert sum(their_act.values()) == after_forward["activations"] + after_forward["other"] \
         - sum(ours[k][0] for k in unseen) - sum(b.numel() for b in m.buffers())   # buffers: its own category
     assert after_forward["activations"] == activation_bytes(cfg, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_activation_formula_holds_in_other_dtypes(dtype):
+    """LayerNorm's saved mean and rstd have the input's dtype on CPU, so the count scales with the element size."""
+    cfg = get_config("nano")
+    m = GPT(cfg).to(dtype)
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    e = torch.tensor([], dtype=dtype).element_size()
+    with MemoryTracker().watch(m) as mem:
+        _, loss = m(x, y)
+        assert mem.current["activations"] == activation_bytes(cfg, 2, 32, elem_bytes=e)
+        del loss

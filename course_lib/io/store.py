@@ -286,7 +286,12 @@ class ServerHooks:
 # =============================================================================================== the server
 class ObjectStore:
     """moto's S3 server on 127.0.0.1 at a free port, started by `with` and stopped (state wiped) when it ends —
-    also on an exception or a KeyboardInterrupt. `model` and `faults` act on the server side."""
+    also on an exception or a KeyboardInterrupt. `model` and `faults` act on the server side.
+
+    moto keeps every bucket in this process's memory, shared by all its servers: two ObjectStores running at once
+    see the same buckets, and the buckets are wiped when the last one stops."""
+    _running = 0
+    _running_lock = threading.Lock()
 
     def __init__(self, *, model: CloudModel | None = None):
         self._server = None
@@ -317,6 +322,8 @@ class ObjectStore:
         host, port = server.get_host_and_port()
         self._server, self._hooks = server, hooks
         self.endpoint_url = f"http://{host}:{port}"
+        with ObjectStore._running_lock:
+            ObjectStore._running += 1
         atexit.register(self.stop)        # a notebook that never reaches its last cell still stops it on exit
         return self
 
@@ -327,9 +334,13 @@ class ObjectStore:
             return
         atexit.unregister(self.stop)
         self._hooks.stopping.set()                       # release any paced or delayed response at once
-        with contextlib.suppress(Exception):
-            req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
-            urllib.request.urlopen(req, timeout=5).read()
+        with ObjectStore._running_lock:
+            ObjectStore._running -= 1
+            last = ObjectStore._running == 0
+        if last:
+            with contextlib.suppress(Exception):
+                req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
+                urllib.request.urlopen(req, timeout=5).read()
         server.stop()
 
     def __enter__(self) -> "ObjectStore":

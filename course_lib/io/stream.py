@@ -85,12 +85,13 @@ class StreamingBatches:
 
     source: anything with `fetch(key) -> bytes` (a `StoreShardSource`, a cache tier). dp: a Mesh or Communicator
     (or give dp_rank and dp_size). prefetch: shards fetched ahead of the one being read (0: fetch on demand, in the
-    caller's thread — the single-process reader). workers: threads fetching shards at once.
+    caller's thread — the single-process reader). workers: threads fetching shards at once. epochs: where the
+    stream ends (None: never); prefetching never reaches past it.
     """
 
     def __init__(self, source, index: ShardIndex, *, micro_batch_size: int, accum_steps: int = 1, dp=None,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle_buffer: int = 256, prefetch: int = 4,
-                 workers: int = 4):
+                 workers: int = 4, epochs: int | None = None):
         if dp is not None:
             dp_rank, dp_size = dp_coordinates(dp)
         for name, v, low in (("micro_batch_size", micro_batch_size, 1), ("accum_steps", accum_steps, 1),
@@ -109,7 +110,7 @@ class StreamingBatches:
         self.source, self.index = source, index
         self.micro_batch_size, self.accum_steps, self.seed = micro_batch_size, accum_steps, seed
         self.dp_rank, self.dp_size, self.buffer_size = dp_rank, dp_size, shuffle_buffer
-        self.prefetch, self.workers = prefetch, workers
+        self.prefetch, self.workers, self.epochs = prefetch, workers, epochs
         self.seq_len = index.seq_len
         self.samples_per_epoch = index.num_samples // dp_size           # this rank's share of one epoch
         self.position = 0                                                # samples consumed by next_batch()
@@ -117,7 +118,7 @@ class StreamingBatches:
         self._loaded: dict = {}                                          # (epoch, shard) -> Future[tensor]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="prefetch") if workers else None
-        self.fetched = 0                                                 # shard fetches issued (for tests)
+        self.issued: list = []                                           # (epoch, shard) of every fetch started
 
     # ------------------------------------------------------------------ the plan
     def _order(self, epoch: int):
@@ -158,7 +159,7 @@ class StreamingBatches:
                 else:
                     fut = self._pool.submit(fetch)
                 self._loaded[key] = fut
-                self.fetched += 1
+                self.issued.append(key)
             return fut
 
     def _prefetch_from(self, position: int) -> None:
@@ -167,7 +168,7 @@ class StreamingBatches:
         ids, first, _, by_need = self._order(epoch)
         current = ids[i] // self.index.samples_per_shard
         todo = [(epoch, s) for s in by_need[by_need.index(current) + 1:] if first[s] > i][: self.prefetch]
-        if len(todo) < self.prefetch:
+        if len(todo) < self.prefetch and (self.epochs is None or epoch + 1 < self.epochs):
             todo += [(epoch + 1, s) for s in self._order(epoch + 1)[3][: self.prefetch - len(todo)]]
         for e, s in todo:
             self._load(e, s)
@@ -184,6 +185,9 @@ class StreamingBatches:
         """Samples at stream positions [start, start + count): (count, seq_len + 1) int64 tokens."""
         rows = []
         P = self.index.samples_per_shard
+        if self.epochs is not None and start + count > self.epochs * self.samples_per_epoch:
+            raise IndexError(f"the stream ends after {self.epochs} epoch(s) ({self.epochs * self.samples_per_epoch} "
+                             f"samples on this rank); position {start + count - 1} is past it")
         for p in range(start, start + count):
             epoch, i = divmod(p, self.samples_per_epoch)
             sid = self._order(epoch)[0][i]
@@ -203,6 +207,11 @@ class StreamingBatches:
         b = self.micro_batch_size
         w = self.samples((step * self.accum_steps + micro) * b, b)     # (b, T+1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()            # x, y: (b, T)
+
+    @property
+    def fetched(self) -> int:
+        """Shard fetches started so far (prefetched ones included)."""
+        return len(self.issued)
 
     @property
     def steps_per_epoch(self) -> float:

@@ -244,6 +244,9 @@ def _hash64(*parts) -> int:
     return int.from_bytes(hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest(), "big")
 
 
+stable_hash = _hash64
+
+
 class Rendezvous:
     """Highest-random-weight hashing: `key` belongs to the node with the largest h(key, node) (formulas §10.4).
     Removing a node moves exactly its own keys; no ring, no virtual nodes."""
@@ -353,4 +356,4 @@ class DistributedShardCache:
 
 __all__ = ["ShardCache", "CachedSource", "CacheTooSmall", "POLICIES", "PATTERNS", "access_pattern",
            "analytic_hit_rate", "lru_shuffled_hit_probabilities", "poisson_binomial_interval", "run_epochs",
-           "Rendezvous", "ModN", "owners", "moved_keys", "DistributedShardCache"]
+           "Rendezvous", "ModN", "stable_hash", "owners", "moved_keys", "DistributedShardCache"]

@@ -24,6 +24,7 @@ from ..dist.comm import Communicator
 from ..dist.mesh import Mesh
 from . import dp as D
 from .fsdp import FSDP
+from .pipeline import apply_pipeline  # 2. pipeline split over pp (notebook 05): (stage, step_fn for train.run)
 from .zero import DEFAULT_BUCKET_CAP_BYTES, ShardedOptimizer
 
 DP_KINDS = {"naive": D.DataParallelNaive, "bucket": D.DataParallelBucket, "overlap": D.DataParallelOverlap}
@@ -118,5 +119,5 @@ def _whole(model: nn.Module) -> int:
     return max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS",
-           "STAGE_NAMES"]
+__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "apply_pipeline", "axis_comm", "data_parallel_batches",
+           "train_parallel", "DP_KINDS", "STAGE_NAMES"]

@@ -64,15 +64,12 @@ def plan_pipeline(cfg: "GPTConfig | str", pp_size: int, num_microbatches: int, s
     L = cfg.n_layer
     for name, value in (("pp_size", pp_size), ("num_microbatches", num_microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}"
-                             + (": a pipeline step needs at least 1 micro-batch" if name == "num_microbatches" else ""))
+            raise ValueError(f"{name} must be a positive integer, got {value!r}; use {name} ≥ 1"
+                             + (f" (≥ pp_size={pp_size} keeps every stage busy)" if name == "num_microbatches" else ""))
     if world_size is not None and world_size % pp_size:
         fits = [p for p in range(1, world_size + 1) if world_size % p == 0]
         raise ValueError(f"world size {world_size} is not a multiple of pp_size={pp_size}: the ranks form a pp × dp "
                          f"grid; use pp_size in {fits}, or a world size that is a multiple of {pp_size}")
-    if pp_size * chunks > L:
-        raise ValueError(f"cannot split n_layer={L} blocks into {pp_size} stage(s) × {chunks} chunk(s): every stage "
-                         f"needs at least one block; use pp_size·chunks ≤ {L}, or a preset with more layers")
     if chunks > 1:
         if pp_size < 2:
             raise ValueError("interleaving (chunks > 1) needs pp_size ≥ 2: its chunks take turns across ranks")
@@ -82,6 +79,9 @@ def plan_pipeline(cfg: "GPTConfig | str", pp_size: int, num_microbatches: int, s
             raise ValueError(f"chunks={chunks} does not divide the layers per rank (n_layer/pp_size = {L}/{pp_size} = "
                              f"{per_rank}): each rank's blocks split into v equal chunks; use chunks in {ok or [1]}, "
                              f"or a pp_size that divides n_layer={L}")
+    if pp_size * chunks > L:
+        raise ValueError(f"cannot split n_layer={L} blocks into {pp_size} stage(s) × {chunks} chunk(s): every stage "
+                         f"needs at least one block; use pp_size·chunks ≤ {L}, or a preset with more layers")
     bounds = tuple(split_layers(L, pp_size * chunks, layers))
     return PipelinePlan(make_schedule(schedule, pp_size, num_microbatches, chunks), bounds)
 

@@ -72,7 +72,8 @@ def plan_pipeline(cfg: "GPTConfig | str", pp_size: int, num_microbatches: int, s
                          f"grid; use pp_size in {fits}, or a world size that is a multiple of {pp_size}")
     if chunks > 1:
         if pp_size < 2:
-            raise ValueError("interleaving (chunks > 1) needs pp_size ≥ 2: its chunks take turns across ranks")
+            raise ValueError("interleaving (chunks > 1) needs pp_size ≥ 2, its chunks take turns across ranks; use "
+                             "pp_size ≥ 2, or chunks=1")
         if L % pp_size or (L // pp_size) % chunks:
             per_rank = f"{L / pp_size:g}"
             ok = [v for v in range(1, L // pp_size + 1) if L % pp_size == 0 and (L // pp_size) % v == 0]

@@ -40,39 +40,47 @@ def torch_order(schedule, rank: int) -> list[str]:
     return out
 
 
+def torch_schedule(ctx, cfg, schedule: str, num_microbatches: int, *, chunks: int = 1, layers=None,
+                   dtype=torch.float64, seed: int = 0):
+    """torch's schedule object for this rank's stages of the course GPT split as `plan_pipeline` splits it, and this
+    rank's parameters by name. Building it does not communicate."""
+    import torch.distributed.pipelining as tpp
+    plan = plan_pipeline(cfg, ctx.world_size, num_microbatches, schedule, chunks=chunks, layers=layers)
+    n = plan.schedule.num_virtual_stages
+    model = GPT(cfg, seed=seed).to(dtype)
+    mine = plan.schedule.stages_of(ctx.rank)
+    chunks_here = [PipelineStage(model, [k], plan.bounds, n) for k in mine]
+    stages = [tpp.PipelineStage(c, k, n, torch.device("cpu")) for c, k in zip(chunks_here, mine)]
+    multi = schedule in ("interleaved", "zb_h1")
+    sched = getattr(tpp, TORCH_SCHEDULES[schedule])(stages if multi else stages[0], n_microbatches=num_microbatches,
+                                                    loss_fn=lm_loss)
+    return sched, dict(p for c in chunks_here for p in c.named_parameters()), (0 in mine, n - 1 in mine)
+
+
 def torch_pipeline_run(ctx, cfg, tc: TrainConfig, schedule: str, num_microbatches: int, *, chunks: int = 1,
                        layers=None, dtype=torch.float64) -> dict:
     """Train `tc.steps` steps of the course GPT (seed tc.seed) split as `plan_pipeline` splits it, with torch's
     schedule; return this rank's step-0 gradients (by parameter name), final parameters, losses (last stage),
     step times and the schedule's order on every rank."""
-    import torch.distributed.pipelining as tpp
-    plan = plan_pipeline(cfg, ctx.world_size, num_microbatches, schedule, chunks=chunks, layers=layers)
-    S, M, n = plan.num_stages, plan.num_microbatches, plan.schedule.num_virtual_stages
-    model = GPT(cfg, seed=tc.seed).to(dtype)
-    mine = plan.schedule.stages_of(ctx.rank)
-    chunks_here = [PipelineStage(model, [k], plan.bounds, n) for k in mine]
-    stages = [tpp.PipelineStage(c, k, n, torch.device("cpu")) for c, k in zip(chunks_here, mine)]
-    cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-    multi = schedule in ("interleaved", "zb_h1")
-    sched = cls(stages if multi else stages[0], n_microbatches=M, loss_fn=lm_loss)
-    params = dict(p for c in chunks_here for p in c.named_parameters())
+    sched, params, (first, last) = torch_schedule(ctx, cfg, schedule, num_microbatches, chunks=chunks, layers=layers,
+                                                  dtype=dtype, seed=tc.seed)
     opt = make_optimizer(params.values(), tc)
     data = ShardedBatches(cfg.seq_len, tc.batch_size, seed=tc.data_seed)
     grads0, losses, seconds = {}, [], []
     for step in range(tc.steps):
-        x, y = data.global_batch(step)
+        x, y = data.global_batch(step)                      # torch splits it into M micro-batches along dim 0
         t0 = time.perf_counter()
         mb_losses = []
-        sched.step(*([x] if 0 in mine else []), **({"target": y, "losses": mb_losses} if n - 1 in mine else {}))
+        sched.step(*([x] if first else []), **({"target": y, "losses": mb_losses} if last else {}))
         seconds.append(time.perf_counter() - t0)
         if step == 0:
             grads0 = {k: p.grad.detach().clone() for k, p in params.items()}
         opt.step()
         opt.zero_grad(set_to_none=True)
         if mb_losses:
-            losses.append(torch.stack([l.detach() for l in mb_losses]).mean().item())
+            losses.append(torch.stack([loss.detach() for loss in mb_losses]).mean().item())
     return {"grads0": grads0, "params": {k: p.detach().clone() for k, p in params.items()}, "losses": losses,
-            "seconds": seconds, "order": {r: torch_order(sched, r) for r in range(S)}}
+            "seconds": seconds, "order": {r: torch_order(sched, r) for r in range(ctx.world_size)}}
 
 
-__all__ = ["TORCH_SCHEDULES", "torch_order", "torch_pipeline_run"]
+__all__ = ["TORCH_SCHEDULES", "torch_order", "torch_schedule", "torch_pipeline_run"]

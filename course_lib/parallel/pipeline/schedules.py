@@ -183,7 +183,8 @@ def make_schedule(kind, num_stages: int, num_microbatches: int, chunks: int = 1)
             raise ScheduleError(f"unknown schedule {kind!r}; use one of {sorted(GENERATORS)} or pass a generator")
         name, fn = kind, GENERATORS[kind]
     if chunks > 1 and fn is not interleaved_1f1b:
-        raise ScheduleError(f"chunks={chunks} (model chunks per rank) needs the 'interleaved' schedule, not {name!r}")
+        raise ScheduleError(f"chunks={chunks} (model chunks per rank) needs the 'interleaved' schedule, not {name!r}; "
+                            f"use schedule='interleaved', or chunks=1")
     ops = fn(num_stages, num_microbatches, chunks) if fn is interleaved_1f1b else fn(num_stages, num_microbatches)
     sched = Schedule(name, num_stages, num_microbatches, chunks, tuple(tuple(Op(*o) for o in r) for r in ops))
     validate(sched)

@@ -44,9 +44,9 @@ def test_gpipe_and_1f1b_bubble_is_exactly_p_minus_1_over_m_plus_p_minus_1_on_eve
         assert got == [Fraction(S - 1, M + S - 1)] * S, (S, M, got)
 
 
-def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1_when_m_is_a_multiple_of_p():
-    for S in range(2, 7):
-        for M in (S, 2 * S, 3 * S):
+def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1_for_m_at_least_p():
+    for S, M in SHAPES:
+        if M >= S and _interleaved_ok(S, M):
             for v in (2, 3, 4):
                 got = bubble_fraction(simulate(make_schedule("interleaved", S, M, v)))
                 assert got == [Fraction(S - 1, v * M + S - 1)] * S == [bubble_formula("interleaved", S, M, v)] * S
@@ -83,13 +83,14 @@ def test_zb_h1_keeps_1f1b_forwards_in_flight_and_at_most_s_until_w():
 
 
 def test_interleaved_in_flight_is_its_warmup_plus_one_derived():
-    """Rank r runs min((v−1)·per_round + 2(S−1−r), v·M) warm-up forwards, then one more before its first backward."""
-    for S in range(2, 6):
-        for M in (S, 2 * S):
+    """Rank r runs min((v−1)·R + 2(S−1−r), v·M) warm-up forwards (R = micro-batches per round, S when S divides M),
+    then one more before its first backward."""
+    for S, M in SHAPES:
+        if S > 1 and _interleaved_ok(S, M):
+            R = M // max(1, M // S)
             for v in (2, 3):
                 got = in_flight(make_schedule("interleaved", S, M, v))
-                want = [min((v - 1) * S + 2 * (S - 1 - r) + 1, v * M) for r in range(S)]
-                assert got == want, (S, M, v, got, want)
+                assert got == [min((v - 1) * R + 2 * (S - 1 - r) + 1, v * M) for r in range(S)], (S, M, v, got)
 
 
 def test_peak_bytes_weights_each_stage_and_refuses_a_bw_split():

@@ -53,7 +53,7 @@ class AsyncPipeline(Pipeline):
         self._versions: dict = {}                # 2bw: version → stashed weights (shared by a batch's micro-batches)
         self._uses: dict = {}                    # stashed weights of each in-flight micro-batch
         self.grad_errors: list = []              # per micro-batch: max |applied − consistent| gradient (check=True)
-        self._kept: dict = {}                    # check=True: (weights the forward used, input) per micro-batch
+        self._kept: dict = {}                    # check=True: (weights the forward used, input, targets) per mb
 
     # ------------------------------------------------------------------ which weights a forward uses
     def _clone(self) -> dict:
@@ -141,13 +141,13 @@ def two_bw_reference(cfg, num_batches: int, batch_microbatches: int, micro_batch
     W⁽ᵗ⁺¹⁾ = W⁽ᵗ⁾ − ν·g_t. Returns the final parameters by name."""
     model = GPT(cfg, seed=seed).to(dtype)
     m, b = batch_microbatches, micro_batch_size
-    data = ShardedBatches(cfg.seq_len, b, accum_steps=num_batches * m)
+    data = ShardedBatches(cfg.seq_len, b, accum_steps=num_batches * m, seed=seed)
     older = {k: p.detach().clone() for k, p in model.named_parameters()}       # W(t−1)
     for t in range(num_batches):
         w = {k: v.clone().requires_grad_() for k, v in older.items()}
         for i in range(m):
             loss = functional_call(model, w, data.get(0, t * m + i))[1]
-            (loss / m).backward()
+            (loss * (1.0 / m)).backward()                  # as the pipeline scales each micro-batch
         older = {k: p.detach().clone() for k, p in model.named_parameters()}  # W(t) becomes the next W(t−1)
         with torch.no_grad():
             for k, p in model.named_parameters():

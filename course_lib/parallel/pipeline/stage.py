@@ -20,9 +20,10 @@ B/W split (Qi et al., ICLR 2024, §2): a linear layer y = x·Wᵀ + b has two gr
     W:  ∂L/∂W = (∂L/∂y)ᵀ · x,  ∂L/∂b = Σ ∂L/∂y   — nobody waits for it until the optimizer step
 
 `defer_weight_grads(pending)` runs a forward whose linear layers, in backward, compute only ∂L/∂x and append
-(W, b, x, ∂L/∂y) to `pending`; `run_weight_grads(pending)` computes the weight gradients later (as the authors'
-implementation does for linear layers; LayerNorm and embedding gradients are cheap and stay in B). Until W runs,
-x and ∂L/∂y stay counted as activations by any memory accountant.
+(W, b, x, ∂L/∂y) to `pending`; `run_weight_grads(pending)` computes the weight gradients later — as the authors'
+ZB-H1 implementation does for linear layers (`WeightGradStore`, sail-sg/zero-bubble-pipeline-parallelism, branch
+zb-h1-quick-start); LayerNorm and embedding gradients are cheap and stay in B. Until W runs, x and ∂L/∂y stay
+counted as activations by any memory accountant.
 """
 from __future__ import annotations
 

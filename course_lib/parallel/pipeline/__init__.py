@@ -5,6 +5,7 @@ bubble, and PipeDream's asynchronous variants.
     stage       PipelineStage (this rank's blocks of the GPT), split_layers, activation bytes per stage, B/W split
     executor    plan_pipeline (bad input → one clear error), Pipeline (the step_fn for train.run), apply_pipeline
     pipedream   asynchronous 1F1B without flush: no stashing (the bug), weight stashing, PipeDream-2BW
+    reference   the same split trained by torch.distributed.pipelining, and its schedule tables in our notation
     plots       Gantt rows of F/B/W per rank, simulated or measured
 
 Huang et al., GPipe, NeurIPS 2019; Narayanan et al., PipeDream, SOSP 2019; Narayanan et al., PipeDream-2BW,

@@ -24,6 +24,7 @@ from ..dist.comm import Communicator
 from ..dist.mesh import Mesh
 from . import dp as D
 from .fsdp import FSDP
+from .pipeline import apply_pipeline  # 2. pipeline split over pp (notebook 05): (stage, step_fn for train.run)
 from .zero import DEFAULT_BUCKET_CAP_BYTES, ShardedOptimizer
 
 DP_KINDS = {"naive": D.DataParallelNaive, "bucket": D.DataParallelBucket, "overlap": D.DataParallelOverlap}
@@ -120,5 +121,5 @@ def _whole(model: nn.Module) -> int:
 
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "apply_tp", "axis_comm", "data_parallel_batches", "train_parallel",
-           "DP_KINDS", "STAGE_NAMES"]
+__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "apply_tp", "apply_pipeline", "axis_comm", "data_parallel_batches",
+           "train_parallel", "DP_KINDS", "STAGE_NAMES"]

@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from ..costmodel import GB, Link
+from ..costmodel import GB, Link, Stage, pipelined_time
 from ..dist.launch import LaunchError
-from ..transports import MiB, Stage, measure_staged_send, pipelined_time, send_staged_serial
+from ..transports import MiB, measure_staged_send, send_staged_serial
 from . import check
 
 # Eager: the message is copied into a pre-registered bounce buffer and sent at once (no handshake, one extra copy).
@@ -142,8 +142,8 @@ def check_pipelining(send_fn, nbytes: int = 32 * MiB, chunk_bytes: int = 2 * MiB
                      hint="run check_staged_delivery first")
             serial, piped = (float(np.median(out["times"][n])) for n in ("serial", "pipelined"))
             overlap = float(np.median(out["overlap"]["pipelined"]))
-            stages = [Stage("staging", "staging", Link("copy engine", 0.0, out["staging_bandwidth"])),
-                      Stage("wire", "wire", Link("wire", 0.0, nbytes / out["wire_time"]))]
+            stages = [Stage("staging", Link("copy engine", 0.0, out["staging_bandwidth"])),
+                      Stage("wire", Link("wire", 0.0, nbytes / out["wire_time"]))]
             modeled = pipelined_time(stages, nbytes, 1) / pipelined_time(stages, nbytes, k)
             tries.append({"serial": serial, "pipelined": piped, "speedup": serial / piped, "overlap": overlap,
                           "modeled_speedup": modeled})

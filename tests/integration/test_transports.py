@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from course_lib import transports as T
+from course_lib.transports import measure
 from course_lib.dist.launch import LaunchError
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ def test_every_path_delivers_every_byte_intact(no_leaks):
     m = T.measure_transports(ODD_SIZES, verify=True, repeats=2, warmup=1, cpu_messages=2)
     # every message the receiver got was compared with what was sent: per repeat, size and path one untimed warm-up
     # message and `inner` timed ones; then the CPU block
-    per_rep = sum(1 + T._inner(n) for n in ODD_SIZES)
+    per_rep = sum(1 + measure._inner(n) for n in ODD_SIZES)
     assert m.verified == {p: 3 * per_rep + 2 for p in T.PATHS}
     assert _fds() == fds
 
@@ -41,7 +42,7 @@ def test_measurement_has_one_positive_median_per_size_and_cpu_for_both_sides(no_
 
 def test_a_subset_of_paths_runs_alone(no_leaks):
     m = T.measure_transports([64, 4096], paths=["shm_write"], verify=True, repeats=1, warmup=0, cpu_messages=1)
-    assert m.paths == ("shm_write",) and m.verified["shm_write"] == 2 + T._inner(64) + T._inner(4096) + 1
+    assert m.paths == ("shm_write",) and m.verified["shm_write"] == 2 + measure._inner(64) + measure._inner(4096) + 1
 
 
 def test_a_failing_receiver_raises_and_leaves_no_process_port_or_fd(no_leaks):

@@ -1,0 +1,370 @@
+"""Measured: how bytes move between two real processes on this machine, and what each copy and kernel crossing costs.
+
+Four paths with fewer and fewer copies, timed and CPU-accounted by `measure_transports`:
+
+    path           sender                                   receiver                                CPU copies
+    tcp_naive      tobytes() copy, sendall → kernel buffer  recv() chunks (kernel → user), join      4
+    tcp_zerocopy   sendall(memoryview) → kernel buffer      recv_into a preallocated buffer          2
+    shm_write      one-sided write into a buffer mapped     nothing on the data path: wakes on the   1
+                   by both sides before the run, doorbell   doorbell (a pipe) and acknowledges
+    memcpy         dst.copy_(src) inside one process: the ceiling of any path on this machine       1
+
+`shm_write` is the RDMA analogue: the buffer is "registered" (mapped into both processes) once, before any message,
+and the data path is one store into it with no system call; only the 1-byte doorbell and the ack cross the kernel.
+Here the sender's CPU plays the NIC's DMA engine, so its copy costs CPU time that real RDMA hardware would not.
+
+Method, per message size: one-way + ack. The sender starts a clock, pushes the message, and stops when the
+receiver's 1-byte acknowledgement arrives (the receiver acks only once it holds every byte). This is the time until
+the sender *knows* the data is delivered, which is also what an RDMA write's completion means (the reliable-
+connection transport completes a write when the remote NIC's ACK returns). Small messages are sent `inner` times in a
+row (at least 3, at most 16; each timed, their median kept); each size is measured `repeats` times, the paths
+interleaved at every size so that bursts of load from other programs hit every path alike, and the median is
+reported; ratios between paths are taken pairwise (`speedup`). CPU involvement is measured separately, per path,
+over a block of large messages: `getrusage` user and system seconds on each side, per GB moved (the total is exact;
+the user/system split is sampled on timer ticks).
+
+Checked against Hockney's α–β model (Parallel Computing 20(3), 1994; docs/formulas.md §9), fitted per path:
+
+    t(S) = α + S·β,   n½ = α/β  (the size at which half the time is latency: bandwidth dominates above it)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import resource
+import select
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..costmodel import GB, Link, fit_alpha_beta
+
+KiB, MiB = 2**10, 2**20
+PATHS = ("tcp_naive", "tcp_zerocopy", "shm_write", "memcpy")
+DEFAULT_TIMEOUT = 120.0
+_RECV_CHUNK = 64 * KiB       # what a naive receiver asks recv() for, the classic idiom
+_INNER_BYTES = 256 * KiB     # a size is sent this many bytes' worth of times per repeat (3 to 16 messages)
+
+
+@dataclass(frozen=True)
+class MeasuredPath:
+    """What one measured path does to the bytes (the copy count is the lesson: fewer copies, more bandwidth)."""
+    name: str
+    copies: int                  # CPU copies of the payload between the sender's buffer and the receiver's
+    kernel_on_data_path: bool    # does the payload pass through the kernel (system calls copy it)?
+    how: str
+
+
+MEASURED_PATHS = {
+    "tcp_naive": MeasuredPath("tcp_naive", 4, True,
+                              "tobytes() copy → kernel (sendall) → kernel → user (recv) → join"),
+    "tcp_zerocopy": MeasuredPath("tcp_zerocopy", 2, True, "user → kernel (sendall(memoryview)) → recv_into user"),
+    "shm_write": MeasuredPath("shm_write", 1, False, "one store into the shared, pre-mapped buffer; doorbell + ack"),
+    "memcpy": MeasuredPath("memcpy", 1, False, "dst.copy_(src) in one process: no second party, no signal"),
+}
+
+
+def message_sizes(max_bytes: int = 16 * MiB, min_bytes: int = 8, factor: int = 2) -> list[int]:
+    """Geometric message sizes min_bytes, min_bytes·factor, … ≤ max_bytes (max_bytes always included)."""
+    if not (1 <= min_bytes <= max_bytes) or factor < 2:
+        raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}")
+    sizes = []
+    n = min_bytes
+    while n < max_bytes:
+        sizes.append(n)
+        n *= factor
+    return sizes + [max_bytes]
+
+
+def _inner(nbytes: int) -> int:
+    return max(3, min(16, _INNER_BYTES // nbytes))
+
+
+def pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
+    """Deterministic uint8 payload, cheap to make on both sides: a random block of prime length, tiled."""
+    g = torch.Generator().manual_seed(seed)
+    block = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g)
+    return block.repeat(nbytes // block.numel() + 1)[:nbytes].clone()
+
+
+# ------------------------------------------------------------------------------------------------ measured result
+@dataclass
+class TransportMeasurement:
+    """What `measure_transports` returns. Times are seconds per message (one-way + ack), medians over repeats."""
+    sizes: np.ndarray                     # (n_sizes,) bytes
+    paths: tuple
+    samples: dict                         # path -> (repeats, n_sizes) seconds per message
+    cpu: dict                             # path -> {"sender"|"receiver": {"user": s, "sys": s}} for cpu_bytes moved
+    cpu_bytes: int                        # bytes moved per path in the CPU block
+    cpu_wall: dict                        # path -> wall seconds of the CPU block
+    verified: dict = field(default_factory=dict)   # path -> messages whose bytes the receiver compared, all equal
+    method: str = "one-way + 1-byte ack; median over repeats; CPU from getrusage over a block of large messages"
+
+    def latency(self, path: str) -> np.ndarray:
+        """Median seconds per message, per size."""
+        return np.median(self.samples[path], axis=0)
+
+    def bandwidth(self, path: str) -> np.ndarray:
+        """Bytes per second per size (size / median time)."""
+        return self.sizes / self.latency(path)
+
+    def large_bandwidth(self, path: str, top: int = 3) -> float:
+        """Median bandwidth over the `top` largest sizes (bytes/s): the figure orderings are asserted on."""
+        return float(np.median(self.bandwidth(path)[-top:]))
+
+    def speedup(self, faster: str, slower: str, top: int = 3) -> float:
+        """How many times the bandwidth of `slower` `faster` gets at the `top` largest sizes: the median over those
+        sizes and all repeats of the paired ratio t_slower / t_faster (paired: measured back to back)."""
+        return float(np.median(self.samples[slower][:, -top:] / self.samples[faster][:, -top:]))
+
+    def fit(self, path: str) -> Link:
+        """α–β fit of this path's medians (costmodel.fit_alpha_beta, relative weights); a Link of kind 'fitted'."""
+        return fit_alpha_beta(self.sizes, self.latency(path), name=path)
+
+    def cpu_per_gb(self, path: str, side: str, kind: str = "total") -> float:
+        """CPU seconds per GB (10⁹ bytes) moved, on one side; kind is 'user', 'sys' or 'total'."""
+        c = self.cpu[path][side]
+        s = c["user"] + c["sys"] if kind == "total" else c[kind]
+        return s / (self.cpu_bytes / GB)
+
+
+# ------------------------------------------------------------------------------------------------ the data paths
+# Each path is a pair of functions: what the sender does for one message, what the receiver does. Every wait has a
+# timeout (sockets: settimeout; pipes: select), so a dead peer turns into an exception, never a hang.
+def _read_exact_fd(fd: int, n: int, timeout: float) -> bytes:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"no signal on the pipe within {timeout:g} s (is the other side alive?)")
+    b = os.read(fd, n)
+    if not b:
+        raise ConnectionError("the other side closed the pipe")
+    return b
+
+
+def _recv_ack(sock: socket.socket) -> None:
+    if not sock.recv(1):
+        raise ConnectionError("the receiver closed the connection before acknowledging")
+
+
+def send_tcp_naive(sock, src_np: np.ndarray, n: int) -> None:
+    """Naive: copy the payload into a new bytes object, then the kernel copies it again into its socket buffer."""
+    sock.sendall(src_np[:n].tobytes())          # copy 1 (tobytes), copy 2 (user → kernel, inside sendall)
+    _recv_ack(sock)
+
+
+def recv_tcp_naive(sock, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        c = sock.recv(min(_RECV_CHUNK, n - got))  # copy 3: kernel → a fresh bytes object per call
+        if not c:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        chunks.append(c)
+        got += len(c)
+    data = b"".join(chunks)                     # copy 4: the chunks into one buffer the application can use
+    sock.sendall(b"k")
+    return data
+
+
+def send_tcp_zerocopy(sock, src_mv: memoryview, n: int) -> None:
+    """sendall(memoryview): no user-space copy; the kernel still copies user → socket buffer (copy 1)."""
+    sock.sendall(src_mv[:n])
+    _recv_ack(sock)
+
+
+def recv_tcp_zerocopy(sock, dst_mv: memoryview, n: int) -> None:
+    got = 0
+    while got < n:
+        r = sock.recv_into(dst_mv[got:n], n - got)   # copy 2: kernel → the preallocated destination
+        if r == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += r
+    sock.sendall(b"k")
+
+
+def send_shm_write(shared: torch.Tensor, src: torch.Tensor, n: int, doorbell_w: int, ack_r: int,
+                   timeout: float) -> None:
+    """One-sided write: store straight into the receiver's pre-mapped buffer (copy 1, no system call), then ring."""
+    shared[:n].copy_(src[:n])
+    os.write(doorbell_w, b"d")                  # control path only: 1 byte, like posting a completion
+    _read_exact_fd(ack_r, 1, timeout)
+
+
+def recv_shm_write(doorbell_r: int, ack_w: int, timeout: float) -> None:
+    _read_exact_fd(doorbell_r, 1, timeout)      # the receiver's CPU never touches the payload to receive it
+    os.write(ack_w, b"k")
+
+
+def memcpy_once(dst: torch.Tensor, src: torch.Tensor, n: int) -> None:
+    dst[:n].copy_(src[:n])
+
+
+def _rusage() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, verify, seed, timeout,
+                      fault):
+    """Rank 0 sends and times, rank 1 receives. Both walk the same deterministic plan, so no control messages."""
+    listener, shared, (doorbell_r, doorbell_w), (ack_r, ack_w) = res
+    sender = ctx.rank == 0
+    max_n = max(max(sizes), cpu_bytes)
+    # Close the pipe ends this side never uses, so a dead peer shows as EOF rather than silence.
+    for fd in ((doorbell_r, ack_w) if sender else (doorbell_w, ack_r)):
+        os.close(fd)
+    if sender:
+        addr = listener.getsockname()
+        listener.close()
+        sock = socket.create_connection(addr, timeout=timeout)
+    else:
+        listener.settimeout(timeout)
+        sock, _ = listener.accept()
+        listener.close()
+    sock.settimeout(timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # no Nagle delay on small messages and acks
+    src = pattern(max_n, seed)
+    src_np, src_mv = src.numpy(), memoryview(src.numpy())
+    dst = torch.zeros(max_n, dtype=torch.uint8)                   # touched now, so no page faults when timed
+    dst_mv = memoryview(dst.numpy())
+    verified = {p: 0 for p in paths}
+
+    def check(path, got: torch.Tensor, n: int):
+        if not torch.equal(got, src[:n]):
+            bad = int((got != src[:n]).nonzero()[0])
+            raise AssertionError(f"{path}: message of {n} bytes arrived corrupted (first bad byte at {bad})")
+        verified[path] += 1
+
+    def one(path: str, n: int):
+        if sender:
+            if path == "tcp_naive":
+                send_tcp_naive(sock, src_np, n)
+            elif path == "tcp_zerocopy":
+                send_tcp_zerocopy(sock, src_mv, n)
+            elif path == "shm_write":
+                send_shm_write(shared, src, n, doorbell_w, ack_r, timeout)
+            elif path == "memcpy":
+                memcpy_once(dst, src, n)
+                if verify:
+                    check(path, dst[:n], n)
+                    dst[:n].zero_()
+            return
+        if path == "tcp_naive":
+            data = recv_tcp_naive(sock, n)
+            if verify:
+                check(path, torch.frombuffer(bytearray(data), dtype=torch.uint8), n)
+        elif path == "tcp_zerocopy":
+            recv_tcp_zerocopy(sock, dst_mv, n)
+            if verify:
+                check(path, dst[:n], n)
+                dst[:n].zero_()
+        elif path == "shm_write":
+            if verify:                       # check before the ack: the sender may overwrite right after it
+                _read_exact_fd(doorbell_r, 1, timeout)
+                check(path, shared[:n], n)
+                shared[:n].zero_()
+                os.write(ack_w, b"k")
+            else:
+                recv_shm_write(doorbell_r, ack_w, timeout)
+        if fault == "raise":
+            raise RuntimeError("injected fault: the receiver failed after its first message")
+        if fault == "hang":
+            time.sleep(10 * timeout)
+
+    try:
+        samples = {p: np.zeros((repeats, len(sizes))) for p in paths}
+        # Paths interleaved at every size: the measurements compared with each other are milliseconds apart, so a
+        # burst of load from another program (CPU or memory bandwidth) hits both sides of a ratio alike.
+        for rep in range(warmup + repeats):
+            for i, n in enumerate(sizes):
+                for path in paths:
+                    one(path, sizes[0])     # untimed: wake the peer and warm this path after the previous one
+                    dts = []
+                    for _ in range(_inner(n)):
+                        t0 = time.perf_counter()
+                        one(path, n)
+                        dts.append(time.perf_counter() - t0)
+                    if rep >= warmup:   # median of the inner messages: a preemption by another process is not α
+                        samples[path][rep - warmup, i] = float(np.median(dts))
+        cpu, cpu_wall = {}, {}
+        for path in paths:
+            u0, s0 = _rusage()
+            t0 = time.perf_counter()
+            for _ in range(cpu_messages):
+                one(path, cpu_bytes)
+            cpu_wall[path] = time.perf_counter() - t0
+            u1, s1 = _rusage()
+            cpu[path] = {"user": u1 - u0, "sys": s1 - s0}
+    finally:
+        sock.close()
+    if sender:
+        return {"samples": samples, "cpu": cpu, "cpu_wall": cpu_wall, "verified": verified}
+    return {"cpu": cpu, "verified": verified}
+
+
+def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int = 1, cpu_bytes: int | None = None,
+                       cpu_messages: int | None = None, verify: bool = False, seed: int = 0,
+                       timeout: float = DEFAULT_TIMEOUT, fault: str | None = None) -> TransportMeasurement:
+    """Measure every path between two real processes (ranks of `course_lib.dist.launch.launch`); see the module
+    docstring.
+
+    sizes: message sizes in bytes (default `message_sizes()`, 8 B … 16 MiB); cpu_bytes: message size of the CPU
+    block (default: the largest size), sent `cpu_messages` times per path (default: enough for 128 MiB, so the
+    block lasts long enough for the kernel's CPU accounting to resolve it). verify=True makes the receiver compare
+    every message with the expected bytes (slower; timings then mean nothing). `fault` ('raise' or 'hang' in the
+    receiver after its first message) exists for the tests that prove nothing is left behind when a rank fails.
+
+    The listening socket, the shared buffer and the pipes are made here, before the ranks fork, so the ranks inherit
+    them (the shared buffer is "registered" before any message, like RDMA memory registration) and this function
+    closes them whatever happens; `launch` kills both ranks on error or timeout.
+    """
+    from ..dist.launch import launch
+
+    sizes = [int(s) for s in (sizes if sizes is not None else message_sizes())]
+    paths = tuple(paths)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"unknown path(s) {unknown}; choose from {PATHS}")
+    if not sizes or min(sizes) < 1:
+        raise ValueError("sizes must be positive byte counts")
+    cpu_bytes = int(cpu_bytes or max(sizes))
+    cpu_messages = int(cpu_messages or math.ceil(128 * MiB / cpu_bytes))
+    if repeats < 1 or warmup < 0 or cpu_messages < 1 or cpu_bytes < 1:
+        raise ValueError("repeats >= 1, warmup >= 0, cpu_messages >= 1, cpu_bytes >= 1")
+    if fault not in (None, "raise", "hang"):
+        raise ValueError("fault must be None, 'raise' or 'hang'")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    pipes: list[int] = []
+    buf = None
+    shared = None
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        # MAP_SHARED | MAP_ANONYMOUS: one physical buffer both forked ranks see; nothing to unlink afterwards.
+        buf = mmap.mmap(-1, max(max(sizes), cpu_bytes))
+        shared = torch.frombuffer(buf, dtype=torch.uint8)
+        shared.zero_()                                   # fault the pages in now, not inside a timed write
+        doorbell, ack = os.pipe(), os.pipe()
+        pipes = [*doorbell, *ack]
+        res = (listener, shared, doorbell, ack)
+        out = launch(_transport_worker, 2, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, verify,
+                     seed, timeout, fault, timeout=timeout)
+    finally:
+        listener.close()
+        for fd in pipes:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        del shared
+        if buf is not None:
+            with contextlib.suppress(BufferError):
+                buf.close()
+    snd, rcv = out
+    verified = {p: (snd if p == "memcpy" else rcv)["verified"][p] for p in paths}   # who compared the bytes
+    return TransportMeasurement(np.array(sizes, dtype=float), paths, snd["samples"],
+                                {p: {"sender": snd["cpu"][p], "receiver": rcv["cpu"][p]} for p in paths},
+                                cpu_bytes * cpu_messages, snd["cpu_wall"], verified)
+

@@ -133,6 +133,53 @@ class TransportMeasurement:
         return s / (self.cpu_bytes / GB)
 
 
+# ------------------------------------------------------------------------------------------------ the connection
+def _tcp_socket(buffer_option: int, size: int | None) -> socket.socket:
+    """A TCP socket whose send or receive buffer (`buffer_option`) is fixed to `size` bytes; None leaves the kernel's
+    autotuning. Set before listen/connect, because the window is agreed in the handshake."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if size:
+        sock.setsockopt(socket.SOL_SOCKET, buffer_option, int(size))
+    return sock
+
+
+def loopback_listener(rcvbuf: int | None = None) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 at a free port. Made in the parent before the ranks fork, so both inherit
+    it; the parent closes it whatever happens. `rcvbuf` fixes the receive buffer of the connection it will accept."""
+    listener = _tcp_socket(socket.SO_RCVBUF, rcvbuf)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def connect_ranks(listener: socket.socket, rank: int, timeout: float, sndbuf: int | None = None) -> socket.socket:
+    """The one connection between rank 0 (connects; the sender) and rank 1 (accepts; the receiver), each closing
+    its inherited copy of the listener. Every blocking call gets `timeout`, so a dead peer is an exception, never a
+    hang; TCP_NODELAY, so small messages and 1-byte acks leave at once instead of waiting for Nagle's timer.
+    `sndbuf` fixes the sender's buffer, as the listener's `rcvbuf` fixes the receiver's."""
+    if rank == 0:
+        addr = listener.getsockname()
+        listener.close()
+        sock = _tcp_socket(socket.SO_SNDBUF, sndbuf)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(addr)
+        except OSError:
+            sock.close()
+            raise
+    else:
+        listener.settimeout(timeout)
+        sock, _ = listener.accept()
+        listener.close()
+        sock.settimeout(timeout)     # an accepted socket does not inherit the listener's timeout
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 # ------------------------------------------------------------------------------------------------ the data paths
 # Each path is a pair of functions: what the sender does for one message, what the receiver does. Every wait has a
 # timeout (sockets: settimeout; pipes: select), so a dead peer turns into an exception, never a hang.
@@ -146,7 +193,7 @@ def _read_exact_fd(fd: int, n: int, timeout: float) -> bytes:
     return b
 
 
-def _recv_ack(sock: socket.socket) -> None:
+def recv_ack(sock: socket.socket) -> None:
     if not sock.recv(1):
         raise ConnectionError("the receiver closed the connection before acknowledging")
 
@@ -154,7 +201,7 @@ def _recv_ack(sock: socket.socket) -> None:
 def send_tcp_naive(sock, src_np: np.ndarray, n: int) -> None:
     """Naive: copy the payload into a new bytes object, then the kernel copies it again into its socket buffer."""
     sock.sendall(src_np[:n].tobytes())          # copy 1 (tobytes), copy 2 (user → kernel, inside sendall)
-    _recv_ack(sock)
+    recv_ack(sock)
 
 
 def recv_tcp_naive(sock, n: int) -> bytes:
@@ -173,7 +220,7 @@ def recv_tcp_naive(sock, n: int) -> bytes:
 def send_tcp_zerocopy(sock, src_mv: memoryview, n: int) -> None:
     """sendall(memoryview): no user-space copy; the kernel still copies user → socket buffer (copy 1)."""
     sock.sendall(src_mv[:n])
-    _recv_ack(sock)
+    recv_ack(sock)
 
 
 def recv_tcp_zerocopy(sock, dst_mv: memoryview, n: int) -> None:
@@ -217,16 +264,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
     # Close the pipe ends this side never uses, so a dead peer shows as EOF rather than silence.
     for fd in ((doorbell_r, ack_w) if sender else (doorbell_w, ack_r)):
         os.close(fd)
-    if sender:
-        addr = listener.getsockname()
-        listener.close()
-        sock = socket.create_connection(addr, timeout=timeout)
-    else:
-        listener.settimeout(timeout)
-        sock, _ = listener.accept()
-        listener.close()
-    sock.settimeout(timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # no Nagle delay on small messages and acks
+    sock = connect_ranks(listener, ctx.rank, timeout)
     src = pattern(max_n, seed)
     src_np, src_mv = src.numpy(), memoryview(src.numpy())
     dst = torch.zeros(max_n, dtype=torch.uint8)                   # touched now, so no page faults when timed
@@ -234,10 +272,13 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
     verified = {p: 0 for p in paths}
 
     def check(path, got: torch.Tensor, n: int):
+        """Compare with what was sent, then wipe a reused buffer, so stale bytes cannot pass the next check."""
         if not torch.equal(got, src[:n]):
             bad = int((got != src[:n]).nonzero()[0])
             raise AssertionError(f"{path}: message of {n} bytes arrived corrupted (first bad byte at {bad})")
         verified[path] += 1
+        if path != "tcp_naive":                  # the naive receiver gets a fresh buffer per message
+            got.zero_()
 
     def one(path: str, n: int):
         if sender:
@@ -251,7 +292,6 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
                 memcpy_once(dst, src, n)
                 if verify:
                     check(path, dst[:n], n)
-                    dst[:n].zero_()
             return
         if path == "tcp_naive":
             data = recv_tcp_naive(sock, n)
@@ -261,12 +301,10 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
             recv_tcp_zerocopy(sock, dst_mv, n)
             if verify:
                 check(path, dst[:n], n)
-                dst[:n].zero_()
         elif path == "shm_write":
             if verify:                       # check before the ack: the sender may overwrite right after it
                 _read_exact_fd(doorbell_r, 1, timeout)
                 check(path, shared[:n], n)
-                shared[:n].zero_()
                 os.write(ack_w, b"k")
             else:
                 recv_shm_write(doorbell_r, ack_w, timeout)
@@ -337,13 +375,11 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
         raise ValueError("repeats >= 1, warmup >= 0, cpu_messages >= 1, cpu_bytes >= 1")
     if fault not in (None, "raise", "hang"):
         raise ValueError("fault must be None, 'raise' or 'hang'")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener = loopback_listener()
     pipes: list[int] = []
     buf = None
     shared = None
     try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
         # MAP_SHARED | MAP_ANONYMOUS: one physical buffer both forked ranks see; nothing to unlink afterwards.
         buf = mmap.mmap(-1, max(max(sizes), cpu_bytes))
         shared = torch.frombuffer(buf, dtype=torch.uint8)

@@ -19,7 +19,8 @@ import time
 import numpy as np
 import torch
 
-from .measure import DEFAULT_TIMEOUT, KiB, MiB, _recv_ack, pattern
+from .measure import DEFAULT_TIMEOUT, KiB, MiB, connect_ranks, loopback_listener, pattern, recv_ack, \
+    recv_tcp_zerocopy
 
 class CopyEngine:
     """A stand-in for a GPU's copy engine over PCIe: the bytes are really copied (dst.copy_(src)), then the call
@@ -91,19 +92,7 @@ def _staged_worker(ctx, listener, send_fns, nbytes, chunk_bytes, slots, staging_
                    seed, timeout, sock_buffer):
     order = list(send_fns)
     calib = 3                                                   # wire-only sends that calibrate the staging rate
-    if ctx.rank == 0:
-        addr = listener.getsockname()
-        listener.close()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sock_buffer)   # before connect: fixes the window
-        sock.settimeout(timeout)
-        sock.connect(addr)
-    else:
-        listener.settimeout(timeout)
-        sock, _ = listener.accept()
-        listener.close()
-    sock.settimeout(timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = connect_ranks(listener, ctx.rank, timeout, sndbuf=sock_buffer)
     try:
         if ctx.rank == 0:
             device = pattern(nbytes, seed)
@@ -112,7 +101,7 @@ def _staged_worker(ctx, listener, send_fns, nbytes, chunk_bytes, slots, staging_
             def timed(fn) -> tuple[float, bool]:
                 t0 = time.perf_counter()
                 fn()
-                _recv_ack(sock)                                 # the receiver holds every byte …
+                recv_ack(sock)                                  # the receiver holds every byte …
                 dt = time.perf_counter() - t0
                 verdict = sock.recv(1)                          # … and has compared them, outside the clock
                 if not verdict:
@@ -142,13 +131,7 @@ def _staged_worker(ctx, listener, send_fns, nbytes, chunk_bytes, slots, staging_
         dst = torch.zeros(nbytes, dtype=torch.uint8)
         dst_mv = memoryview(dst.numpy())
         for _ in range(calib + 1 + (repeats + 1) * len(order)):
-            got = 0
-            while got < nbytes:
-                r = sock.recv_into(dst_mv[got:], nbytes - got)
-                if r == 0:
-                    raise ConnectionError(f"the sender closed the connection after {got:,} of {nbytes:,} bytes")
-                got += r
-            sock.sendall(b"k")
+            recv_tcp_zerocopy(sock, dst_mv, nbytes)             # every byte, then the ack that stops the clock
             sock.sendall(b"y" if torch.equal(dst, expect) else b"n")
             dst.zero_()
         return None
@@ -178,13 +161,10 @@ def measure_staged_send(send_fns: dict, nbytes: int = 32 * MiB, chunk_bytes: int
         raise ValueError("need nbytes >= 1, chunk_bytes >= 1, slots >= 1, repeats >= 1, staging_ratio > 0")
     if staging_bandwidth is not None and staging_bandwidth <= 0:
         raise ValueError("staging_bandwidth must be positive (bytes/s)")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # Small kernel buffers on both ends: otherwise the socket buffer itself stages megabytes and sendall returns long
+    # before the bytes have crossed, hiding the very overlap being measured.
+    listener = loopback_listener(rcvbuf=sock_buffer)
     try:
-        # Small kernel buffers on both ends: otherwise the socket buffer itself stages megabytes and sendall returns
-        # long before the bytes have crossed, hiding the very overlap being measured.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(sock_buffer))
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
         out = launch(_staged_worker, 2, listener, dict(send_fns), int(nbytes), int(chunk_bytes), int(slots),
                      staging_bandwidth, float(staging_ratio), int(repeats), seed, timeout, int(sock_buffer),
                      timeout=timeout)

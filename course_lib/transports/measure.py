@@ -19,9 +19,14 @@ the sender *knows* the data is delivered, which is also what an RDMA write's com
 connection transport completes a write when the remote NIC's ACK returns). Small messages are sent `inner` times in a
 row (at least 3, at most 16; each timed, their median kept); each size is measured `repeats` times, the paths
 interleaved at every size so that bursts of load from other programs hit every path alike, and the median is
-reported; ratios between paths are taken pairwise (`speedup`). CPU involvement is measured separately, per path,
-over a block of large messages: `getrusage` user and system seconds on each side, per GB moved (the total is exact;
-the user/system split is sampled on timer ticks).
+reported; ratios between paths are taken pairwise (`time_ratio`, `speedup`).
+
+CPU involvement: `getrusage` user and system seconds on each side around a block of large messages, per GB moved.
+The total is the scheduler's own run time (exact to the µs); the user/system split is sampled on timer ticks, so it is
+approximate. CPU seconds per byte are not a constant of a path: other programs move them (shared caches and memory
+bandwidth, how the two ranks and everything else share the cores). So the blocks come in rounds, one block per path
+per round, the order reversed every round, and paths are compared round by round (`cpu_rounds`): a paired ratio
+compares two blocks that ran next to each other, and its median over rounds ignores a round that load disturbed.
 
 Checked against Hockney's α–β model (Parallel Computing 20(3), 1994; docs/formulas.md §9), fitted per path:
 
@@ -49,6 +54,7 @@ PATHS = ("tcp_naive", "tcp_zerocopy", "shm_write", "memcpy")
 DEFAULT_TIMEOUT = 120.0
 _RECV_CHUNK = 64 * KiB       # what a naive receiver asks recv() for, the classic idiom
 _INNER_BYTES = 256 * KiB     # a size is sent this many bytes' worth of times per repeat (3 to 16 messages)
+_CPU_BLOCK_BYTES = 32 * MiB  # bytes per path per round of the CPU measurement
 
 
 @dataclass(frozen=True)
@@ -95,15 +101,18 @@ def pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ measured result
 @dataclass
 class TransportMeasurement:
-    """What `measure_transports` returns. Times are seconds per message (one-way + ack), medians over repeats."""
+    """What `measure_transports` returns. Times are seconds per message (one-way + ack), medians over repeats; CPU
+    seconds come in rounds, one block of `cpu_bytes` per path per round, so that paths can be compared round by
+    round (paired) as well as in total."""
     sizes: np.ndarray                     # (n_sizes,) bytes
     paths: tuple
     samples: dict                         # path -> (repeats, n_sizes) seconds per message
-    cpu: dict                             # path -> {"sender"|"receiver": {"user": s, "sys": s}} for cpu_bytes moved
-    cpu_bytes: int                        # bytes moved per path in the CPU block
-    cpu_wall: dict                        # path -> wall seconds of the CPU block
+    cpu: dict                             # path -> {"sender"|"receiver": {"user": (rounds,) s, "sys": (rounds,) s}}
+    cpu_bytes: int                        # bytes moved per path per round
+    cpu_wall: dict                        # path -> (rounds,) wall seconds of each block
     verified: dict = field(default_factory=dict)   # path -> messages whose bytes the receiver compared, all equal
-    method: str = "one-way + 1-byte ack; median over repeats; CPU from getrusage over a block of large messages"
+    method: str = ("one-way + 1-byte ack; median over repeats; CPU from getrusage in rounds of one block per path, "
+                   "the order reversed every round")
 
     def latency(self, path: str) -> np.ndarray:
         """Median seconds per message, per size."""
@@ -114,23 +123,35 @@ class TransportMeasurement:
         return self.sizes / self.latency(path)
 
     def large_bandwidth(self, path: str, top: int = 3) -> float:
-        """Median bandwidth over the `top` largest sizes (bytes/s): the figure orderings are asserted on."""
+        """Median bandwidth over the `top` largest sizes (bytes/s)."""
         return float(np.median(self.bandwidth(path)[-top:]))
 
+    def time_ratio(self, a: str, b: str, at=slice(None)) -> float:
+        """Median over repeats (and the sizes `at` picks: an index or a slice) of the paired ratio t_a / t_b.
+        Paired: at each size and repeat the paths were measured back to back, so load from other programs hits
+        both alike, and one preempted measurement cannot move a median."""
+        return float(np.median(self.samples[a][:, at] / self.samples[b][:, at]))
+
     def speedup(self, faster: str, slower: str, top: int = 3) -> float:
-        """How many times the bandwidth of `slower` `faster` gets at the `top` largest sizes: the median over those
-        sizes and all repeats of the paired ratio t_slower / t_faster (paired: measured back to back)."""
-        return float(np.median(self.samples[slower][:, -top:] / self.samples[faster][:, -top:]))
+        """How many times the bandwidth of `slower` `faster` gets at the `top` largest sizes (paired, `time_ratio`)."""
+        return self.time_ratio(slower, faster, slice(-top, None))
 
     def fit(self, path: str) -> Link:
         """α–β fit of this path's medians (costmodel.fit_alpha_beta, relative weights); a Link of kind 'fitted'."""
         return fit_alpha_beta(self.sizes, self.latency(path), name=path)
 
-    def cpu_per_gb(self, path: str, side: str, kind: str = "total") -> float:
-        """CPU seconds per GB (10⁹ bytes) moved, on one side; kind is 'user', 'sys' or 'total'."""
+    def cpu_rounds(self, path: str, side: str = "both", kind: str = "total") -> np.ndarray:
+        """CPU seconds per GB (10⁹ bytes) moved in each round, on one side ('sender', 'receiver') or 'both' added;
+        kind is 'user', 'sys' or 'total'."""
+        if side == "both":
+            return self.cpu_rounds(path, "sender", kind) + self.cpu_rounds(path, "receiver", kind)
         c = self.cpu[path][side]
-        s = c["user"] + c["sys"] if kind == "total" else c[kind]
+        s = np.asarray(c["user"]) + np.asarray(c["sys"]) if kind == "total" else np.asarray(c[kind])
         return s / (self.cpu_bytes / GB)
+
+    def cpu_per_gb(self, path: str, side: str = "both", kind: str = "total") -> float:
+        """CPU seconds per GB moved over all rounds (the mean of `cpu_rounds`: every round moves the same bytes)."""
+        return float(np.mean(self.cpu_rounds(path, side, kind)))
 
 
 # ------------------------------------------------------------------------------------------------ the connection
@@ -255,8 +276,8 @@ def _rusage() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, verify, seed, timeout,
-                      fault):
+def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, cpu_rounds, verify, seed,
+                      timeout, fault):
     """Rank 0 sends and times, rank 1 receives. Both walk the same deterministic plan, so no control messages."""
     listener, shared, (doorbell_r, doorbell_w), (ack_r, ack_w) = res
     sender = ctx.rank == 0
@@ -328,15 +349,20 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
                         dts.append(time.perf_counter() - t0)
                     if rep >= warmup:   # median of the inner messages: a preemption by another process is not α
                         samples[path][rep - warmup, i] = float(np.median(dts))
-        cpu, cpu_wall = {}, {}
-        for path in paths:
-            u0, s0 = _rusage()
-            t0 = time.perf_counter()
-            for _ in range(cpu_messages):
-                one(path, cpu_bytes)
-            cpu_wall[path] = time.perf_counter() - t0
-            u1, s1 = _rusage()
-            cpu[path] = {"user": u1 - u0, "sys": s1 - s0}
+        # CPU in rounds, one block per path per round, the order reversed every round: the blocks compared with
+        # each other are adjacent in time, so load from other programs (which moves CPU seconds per byte through
+        # caches, memory bandwidth and how the two ranks interleave) hits both sides of a paired ratio alike.
+        cpu = {p: np.zeros((cpu_rounds, 2)) for p in paths}          # (user, sys) seconds per round
+        cpu_wall = {p: np.zeros(cpu_rounds) for p in paths}
+        for r in range(cpu_rounds):
+            for path in (paths if r % 2 == 0 else paths[::-1]):
+                u0, s0 = _rusage()
+                t0 = time.perf_counter()
+                for _ in range(cpu_messages):
+                    one(path, cpu_bytes)
+                cpu_wall[path][r] = time.perf_counter() - t0
+                u1, s1 = _rusage()
+                cpu[path][r] = (u1 - u0, s1 - s0)
     finally:
         sock.close()
     if sender:
@@ -345,14 +371,15 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
 
 
 def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int = 1, cpu_bytes: int | None = None,
-                       cpu_messages: int | None = None, verify: bool = False, seed: int = 0,
+                       cpu_messages: int | None = None, cpu_rounds: int = 9, verify: bool = False, seed: int = 0,
                        timeout: float = DEFAULT_TIMEOUT, fault: str | None = None) -> TransportMeasurement:
     """Measure every path between two real processes (ranks of `course_lib.dist.launch.launch`); see the module
     docstring.
 
-    sizes: message sizes in bytes (default `message_sizes()`, 8 B … 16 MiB); cpu_bytes: message size of the CPU
-    block (default: the largest size), sent `cpu_messages` times per path (default: enough for 128 MiB, so the
-    block lasts long enough for the kernel's CPU accounting to resolve it). verify=True makes the receiver compare
+    sizes: message sizes in bytes (default `message_sizes()`, 8 B … 16 MiB). CPU time is measured in `cpu_rounds`
+    rounds of one block per path, a block being `cpu_messages` messages of `cpu_bytes` (default: the largest size,
+    as many as make 32 MiB); the rounds give paired ratios between paths (`TransportMeasurement.cpu_rounds`).
+    verify=True makes the receiver compare
     every message with the expected bytes (slower; timings then mean nothing). `fault` ('raise' or 'hang' in the
     receiver after its first message) exists for the tests that prove nothing is left behind when a rank fails.
 
@@ -370,9 +397,9 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
     if not sizes or min(sizes) < 1:
         raise ValueError("sizes must be positive byte counts")
     cpu_bytes = int(cpu_bytes or max(sizes))
-    cpu_messages = int(cpu_messages or math.ceil(128 * MiB / cpu_bytes))
-    if repeats < 1 or warmup < 0 or cpu_messages < 1 or cpu_bytes < 1:
-        raise ValueError("repeats >= 1, warmup >= 0, cpu_messages >= 1, cpu_bytes >= 1")
+    cpu_messages = int(cpu_messages or math.ceil(_CPU_BLOCK_BYTES / cpu_bytes))
+    if repeats < 1 or warmup < 0 or cpu_messages < 1 or cpu_bytes < 1 or cpu_rounds < 1:
+        raise ValueError("repeats >= 1, warmup >= 0, cpu_messages >= 1, cpu_bytes >= 1, cpu_rounds >= 1")
     if fault not in (None, "raise", "hang"):
         raise ValueError("fault must be None, 'raise' or 'hang'")
     listener = loopback_listener()
@@ -387,8 +414,8 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
         doorbell, ack = os.pipe(), os.pipe()
         pipes = [*doorbell, *ack]
         res = (listener, shared, doorbell, ack)
-        out = launch(_transport_worker, 2, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, verify,
-                     seed, timeout, fault, timeout=timeout)
+        out = launch(_transport_worker, 2, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages,
+                     int(cpu_rounds), verify, seed, timeout, fault, timeout=timeout)
     finally:
         listener.close()
         for fd in pipes:
@@ -400,7 +427,8 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
                 buf.close()
     snd, rcv = out
     verified = {p: (snd if p == "memcpy" else rcv)["verified"][p] for p in paths}   # who compared the bytes
-    return TransportMeasurement(np.array(sizes, dtype=float), paths, snd["samples"],
-                                {p: {"sender": snd["cpu"][p], "receiver": rcv["cpu"][p]} for p in paths},
-                                cpu_bytes * cpu_messages, snd["cpu_wall"], verified)
+    cpu = {p: {side: {"user": out[rank]["cpu"][p][:, 0], "sys": out[rank]["cpu"][p][:, 1]}
+               for rank, side in enumerate(("sender", "receiver"))} for p in paths}
+    return TransportMeasurement(np.array(sizes, dtype=float), paths, snd["samples"], cpu, cpu_bytes * cpu_messages,
+                                snd["cpu_wall"], verified)
 

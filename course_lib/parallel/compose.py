@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..dist.comm import Communicator
 from ..dist.mesh import Mesh
+from ..memopt.recompute import apply_recompute  # noqa: F401  step 3 (notebook 08), re-exported for the capstone
 from . import dp as D
 from .fsdp import FSDP
 from .zero import DEFAULT_BUCKET_CAP_BYTES, ShardedOptimizer
@@ -118,5 +119,5 @@ def _whole(model: nn.Module) -> int:
     return max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS",
-           "STAGE_NAMES"]
+__all__ = ["apply_dp", "apply_fsdp", "apply_recompute", "apply_zero", "axis_comm", "data_parallel_batches",
+           "train_parallel", "DP_KINDS", "STAGE_NAMES"]

@@ -172,7 +172,9 @@ def measure_costs(cfg, batch_size: int, *, seed: int = 0, repeats: int = 3) -> C
             _lone_block(block, x, p) for p in (None, recompute_all, attention_core))
         with FlopCounterMode(display=False) as fc, torch.no_grad():
             out = block(x)
-        assert work_f == saved and held_f == x.numel() * x.element_size()
+        if work_f != saved or held_f != x.numel() * x.element_size():    # what full recomputation must measure
+            raise RuntimeError(f"block measured inconsistently: full recomputation held {held_f:,} bytes (its input "
+                               f"is {x.numel() * x.element_size():,}) and rebuilt {work_f:,} (stored: {saved:,})")
 
         def seconds(policy):
             def fwd_bwd():

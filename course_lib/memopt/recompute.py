@@ -136,7 +136,10 @@ class Segment:
 
     def __init__(self, fn, args, *, policy=recompute_all, preserve_rng_state: bool = True, name: str = "segment"):
         self.fn, self.policy, self.preserve_rng_state, self.name = fn, policy, preserve_rng_state, name
-        self.inputs = tuple(args)
+        # detached aliases (same storage and version counter): a reference to a tensor with a grad_fn, held by
+        # something its graph holds (our Tickets), would be a cycle through C++ that Python's GC cannot free
+        self.inputs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        self.requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in self.inputs]
         self.ops: list[_Op] = []
         self.live: dict[int, int] = {}        # storage key -> sid, for storages made in the segment and alive
@@ -188,7 +191,8 @@ class Segment:
                 if isinstance(t, torch.Tensor) and (sid := self.live.get(_key(t))) is not None:
                     reads.append((sid, self.writer[sid]))
                     if (recompute or func.namespace in _COLLECTIVES) and not self.ops[self.writer[sid]].recompute:
-                        self.held.setdefault(sid, t)     # a recomputation may need what a kept op made
+                        if sid not in self.held:         # a recomputation may need what a kept op made
+                            self.held[sid] = t.detach()
         mutated = _mutated_positions(func, args, kwargs, flat)
         random = torch.Tag.nondeterministic_seeded in func.tags
         rng = _rng_state(kwargs) if random and self.preserve_rng_state else None
@@ -296,8 +300,8 @@ class Segment:
                                       f"recomputation would start from different values")
         state = torch.get_rng_state()
         replay = _Replay(self)
-        inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                  for a in self.inputs]
+        inputs = [a.detach().requires_grad_(r) if isinstance(a, torch.Tensor) else a
+                  for a, r in zip(self.inputs, self.requires_grad)]
         token = _rerunning.set(True)
         try:
             # with grad, as in forward (some ops decompose differently without); nothing the rerun saves is kept

@@ -164,6 +164,8 @@ def measure_costs(cfg, batch_size: int, *, seed: int = 0, repeats: int = 3) -> C
         h = x.detach().requires_grad_()
         loss = torch.nn.functional.cross_entropy(model.head(h).flatten(0, 1), targets.flatten())
         head = mem.current["activations"] - embed
+        loss.backward()            # releases what the head saved (a graph dropped unused would keep its outputs)
+    model.zero_grad(set_to_none=True)
     del loss, h
     x = x.detach()
     blocks = []

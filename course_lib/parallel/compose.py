@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..dist.comm import Communicator
 from ..dist.mesh import Mesh
+from ..memopt.recompute import apply_recompute  # noqa: F401  step 3 (notebook 08), re-exported for the capstone
 from . import dp as D
 from .fsdp import FSDP
 from .pipeline import apply_pipeline  # 2. pipeline split over pp (notebook 05): (stage, step_fn for train.run)
@@ -121,5 +122,5 @@ def _whole(model: nn.Module) -> int:
 
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "apply_tp", "apply_pipeline", "axis_comm", "data_parallel_batches",
-           "train_parallel", "DP_KINDS", "STAGE_NAMES"]
+__all__ = ["apply_dp", "apply_fsdp", "apply_recompute", "apply_zero", "apply_tp", "apply_pipeline", "axis_comm",
+           "data_parallel_batches", "train_parallel", "DP_KINDS", "STAGE_NAMES"]

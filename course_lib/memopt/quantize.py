@@ -63,7 +63,11 @@ def dynamic_map(signed: bool = True) -> torch.Tensor:
 
 
 _MAPS: dict = {}
-_SMALLEST_POSITIVE = 2      # index of the unsigned map's smallest positive value (codes 0 and 1 are both 0)
+
+
+def _smallest_positive(code: torch.Tensor) -> int:
+    """Index of the map's smallest positive value (the unsigned map: 0, then 3.25e−7, …)."""
+    return int((code > 0).nonzero()[0])
 
 
 def _map(kind: str) -> torch.Tensor:
@@ -130,7 +134,7 @@ def _encode_blocks(blocks: torch.Tensor, kind: str, scale_dtype=torch.float32):
         v = blocks / safe[:, None]
         codes = torch.bucketize(v, mids)                                    # the nearest map value's index
         if kind == "dynamic_unsigned":      # a positive value never becomes 0 (Adam's √v + eps would collapse)
-            codes = torch.where((v > 0) & (code[codes] == 0), _SMALLEST_POSITIVE, codes)
+            codes = torch.where((v > 0) & (code[codes] == 0), _smallest_positive(code), codes)
         return codes.to(torch.uint8), absmax.to(scale_dtype)
     f = get_format(kind)                                                    # fp8: scale so N_b lands on fp8_max
     scale = (f.max / safe.double()).to(scale_dtype)
@@ -212,7 +216,7 @@ def error_bound(x: torch.Tensor, q: QTensor) -> torch.Tensor:
         i = (torch.searchsorted(code, v, right=True) - 1).clamp(0, code.numel() - 2)
         half = torch.maximum((code[i + 1] - code[i]) / 2, torch.maximum(code[0] - v, v - code[-1]))
         if q.kind == "dynamic_unsigned":
-            floor = code[_SMALLEST_POSITIVE]
+            floor = code[_smallest_positive(code)]
             half = torch.where((v > 0) & (v < floor), floor - v, half)
         bound = per_elem * half
     else:

@@ -23,9 +23,10 @@ Three ideas, each checked against a closed form or a reference implementation:
 then reduces the gradients of the low-precision compute copy (half the bytes of fp32), and the mesh, when given,
 makes every rank of a pipeline or tensor-parallel group agree on whether a step overflowed.
 
-On this CPU, fp16 matrix products have no hardware path and are emulated about 20× slower than fp32; the fp16 recipe
-therefore runs them as a GPU's tensor cores do — fp16 inputs, products and sums in fp32, the output rounded to
-fp16 (`fp32_accumulation`) — which is the numerics of mixed-precision training (Micikevicius §3.3), not a shortcut.
+On this CPU, fp16 matrix products have no hardware path and are emulated several times slower than fp32; the fp16
+recipe therefore runs them as a GPU's tensor cores do — fp16 inputs, products and sums in fp32, the output rounded
+to fp16 (`fp32_accumulation`) — which is the numerics of mixed-precision training (Micikevicius §3.3), not a
+shortcut.
 """
 from __future__ import annotations
 
@@ -342,9 +343,9 @@ def bytes_per_parameter(recipe: "str | Recipe", optimizer: str = "adamw", block_
     """The per-parameter split in the ZeRO paper's style (no per-tensor `step` counters): weights, gradients,
     master, optimizer state — e.g. fp16 with Adam: 2 + 2 + 4 + 8 = 16 bytes (Rajbhandari et al., SC'20 §3.1)."""
     r = get_recipe(recipe)
-    state = 2 * r.state_bytes if optimizer == "adamw" else 2 + 8 / block_size
     if optimizer not in ("adamw", "adam8bit"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use 'adamw' or 'adam8bit'")
+    state = 2 * r.state_bytes if optimizer == "adamw" else 2 + 8 / block_size     # 8-bit: 2 B + 2 fp32 per block
     row = {"weights": r.compute_bytes, "gradients": r.compute_bytes, "master": 4 if r.master_weights else 0,
            "optimizer state": state}
     row["total"] = sum(row.values())
@@ -352,7 +353,8 @@ def bytes_per_parameter(recipe: "str | Recipe", optimizer: str = "adamw", block_
 
 
 # ============================================================================================ fp16 on a CPU
-_MATMULS = None
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.baddbmm.default}         # what matmul, linear and @ reach at the dispatcher
 
 
 class _Fp32Accumulation(TorchDispatchMode):
@@ -371,10 +373,6 @@ class _Fp32Accumulation(TorchDispatchMode):
 @contextlib.contextmanager
 def fp32_accumulation():
     """Run fp16 matmuls (mm, bmm, addmm, baddbmm) with fp32 accumulation inside the block — forward and backward."""
-    global _MATMULS
-    if _MATMULS is None:
-        aten = torch.ops.aten
-        _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
     with _Fp32Accumulation():
         yield
 
@@ -500,9 +498,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.state[p].update((k, v) for k, v in self.optimizer.state[m].items())
         return None
 
-    def zero_grad(self, set_to_none: bool = True):
-        super().zero_grad(set_to_none)
-
 
 # ============================================================================================ activation and
 #                                                                                              parameter gradients
@@ -554,6 +549,8 @@ class Fp8Scaling:
         if not isinstance(history_len, int) or history_len < 1:
             raise ValueError(f"history_len must be a positive integer, got {history_len!r}")
         self.delayed, self.history_len, self.margin = delayed, history_len, margin
+        # a scaled value beyond the last rounding interval (max + half a step) is clipped, not rounded
+        self.beyond = self.fmt.max + float(spacing(self.fmt.max, self.fmt)) / 2
         self.amax_history: list[float] = []      # finite amaxes, newest last
         self.scales: list[float] = []            # the scale used at each cast
         self.amaxes: list[float] = []            # the tensor's own amax at each cast
@@ -573,8 +570,7 @@ class Fp8Scaling:
         scaled = x.detach().float() * scale
         self.scales.append(scale)
         self.amaxes.append(amax)
-        beyond = self.fmt.max + float(spacing(self.fmt.max, self.fmt)) / 2   # past the last rounding interval
-        self.saturated.append(int((scaled.abs() > beyond).sum()))
+        self.saturated.append(int((scaled.abs() > self.beyond).sum()) if amax * scale > self.beyond else 0)
         if math.isfinite(amax):
             self.amax_history.append(amax)
             del self.amax_history[:-self.history_len]
@@ -604,6 +600,13 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
 
 
+def _scalings(*, delayed: bool = True, history_len: int = 16, margin: int = 0) -> dict:
+    """One Fp8Scaling per tensor of a linear layer: E4M3 for its input and weight, E5M2 for its output gradient."""
+    kw = dict(delayed=delayed, history_len=history_len, margin=margin)
+    return {"input": Fp8Scaling("fp8_e4m3", **kw), "weight": Fp8Scaling("fp8_e4m3", **kw),
+            "grad_output": Fp8Scaling("fp8_e5m2", **kw)}
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear whose matmul runs in simulated FP8 (forward E4M3, backward E5M2), one Fp8Scaling per tensor.
     The bias is added outside the FP8 product, in the input's dtype (so its gradient is the unquantized one)."""
@@ -611,9 +614,7 @@ class Fp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, delayed: bool = True,
                  history_len: int = 16, margin: int = 0):
         super().__init__(in_features, out_features, bias=bias)
-        kw = dict(delayed=delayed, history_len=history_len, margin=margin)
-        self.fp8 = {"input": Fp8Scaling("fp8_e4m3", **kw), "weight": Fp8Scaling("fp8_e4m3", **kw),
-                    "grad_output": Fp8Scaling("fp8_e5m2", **kw)}
+        self.fp8 = _scalings(delayed=delayed, history_len=history_len, margin=margin)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, **kw) -> "Fp8Linear":
@@ -621,9 +622,7 @@ class Fp8Linear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight, new.bias = lin.weight, lin.bias                 # the same Parameter objects
-        kw = {"delayed": True, "history_len": 16, "margin": 0, **kw}
-        new.fp8 = {"input": Fp8Scaling("fp8_e4m3", **kw), "weight": Fp8Scaling("fp8_e4m3", **kw),
-                   "grad_output": Fp8Scaling("fp8_e5m2", **kw)}
+        new.fp8 = _scalings(**kw)
         return new
 
     def forward(self, x):

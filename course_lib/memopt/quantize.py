@@ -67,13 +67,24 @@ _MAPS: dict = {}
 
 def _smallest_positive(code: torch.Tensor) -> int:
     """Index of the map's smallest positive value (the unsigned map: 0, then 3.25e−7, …)."""
-    return int((code > 0).nonzero()[0])
+    key = ("smallest", code.data_ptr())
+    if key not in _MAPS:
+        _MAPS[key] = int((code > 0).nonzero()[0])
+    return _MAPS[key]
 
 
 def _map(kind: str) -> torch.Tensor:
     if kind not in _MAPS:
         _MAPS[kind] = dynamic_map(signed=kind == "dynamic")
     return _MAPS[kind]
+
+
+def _mids(kind: str) -> torch.Tensor:
+    """The 255 decision boundaries of a map: midpoints of neighbouring values."""
+    if ("mids", kind) not in _MAPS:
+        code = _map(kind)
+        _MAPS["mids", kind] = (code[1:] + code[:-1]) / 2
+    return _MAPS["mids", kind]
 
 
 # ============================================================================================ block-wise codes
@@ -95,18 +106,13 @@ class QTensor:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
 
-def _check(x: torch.Tensor, block_size: int, kind: str, allow_nonfinite: bool = False) -> None:
+def _check(x: torch.Tensor, block_size: int, kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unsupported quantization kind {kind!r}; use one of {KINDS}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     if not x.is_floating_point():
         raise ValueError(f"quantize a floating-point tensor, got {x.dtype}")
-    if not allow_nonfinite and x.numel() and not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"cannot quantize a tensor with {bad} NaN/inf value(s): it would become its block's absmax "
-                         "and turn the whole block into NaN or zeros. Skip or repair the step first (a loss scaler's "
-                         "inf/NaN check does that for gradients)")
 
 
 def payload_bytes(n: int, kind: str) -> int:
@@ -114,36 +120,53 @@ def payload_bytes(n: int, kind: str) -> int:
     return (n + 1) // 2 if kind == "int4" else n
 
 
-def _encode_blocks(blocks: torch.Tensor, kind: str, scale_dtype=torch.float32):
-    """(nb, B) fp32 → (codes (nb, B), scales (nb,)). A block holding a NaN or inf (allowed only inside the ring)
-    gets codes of 0 and a NaN scale, so it decodes to NaN."""
-    absmax = blocks.abs().amax(dim=1)                                       # (nb,) N_b
+def block_lengths(n: int, block_size: int) -> list[int]:
+    """Lengths of the blocks of n elements: full blocks, then a shorter last one if block_size does not divide n."""
+    full, tail = divmod(n, block_size)
+    return [block_size] * full + ([tail] if tail else [])
+
+
+def _encode(flat: torch.Tensor, lengths: torch.Tensor, kind: str, scale_dtype=torch.float32,
+            allow_nonfinite: bool = False):
+    """flat (n,) fp32, cut into consecutive blocks of `lengths` (nb,) → (codes (n,), scales (nb,)).
+
+    Blocks may differ in length (a short last block; the blocks of several tensors laid end to end), so the
+    per-block absmax is a segment reduction and each element finds its block's scale by repeat_interleave.
+    A block holding a NaN or inf (allowed only inside the ring) gets codes of 0 and a NaN scale: it decodes to NaN.
+    """
+    if flat.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8 if kind.startswith("dynamic") else torch.int8), \
+            torch.zeros(0, dtype=scale_dtype)
+    absmax = torch.segment_reduce(flat.abs(), "max", lengths=lengths)      # (nb,) N_b (NaN/inf propagate)
     bad = ~torch.isfinite(absmax)
     if bad.any():
-        codes, scales = _encode_blocks(torch.where(bad[:, None], 0.0, blocks), kind, scale_dtype)
+        if not allow_nonfinite:
+            raise ValueError(f"cannot quantize a tensor with {int((~torch.isfinite(flat)).sum())} NaN/inf value(s): "
+                             "it would become its block's absmax and turn the whole block into NaN or zeros. Skip or "
+                             "repair the step first (a loss scaler's inf/NaN check does that for gradients)")
+        codes, scales = _encode(torch.where(torch.isfinite(flat), flat, 0.0), lengths, kind, scale_dtype)
         return codes, torch.where(bad, torch.nan, scales.float()).to(scales.dtype)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))        # an all-zero block: codes of 0
     if kind in ("int8", "int4"):
         qmax = 127 if kind == "int8" else 7
         step = (safe / qmax).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)   # Δ_b, as stored
-        codes = torch.round(blocks / step.float()[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-        return codes, step
+        codes = torch.round(flat / step.float().repeat_interleave(lengths)).clamp_(-qmax, qmax)
+        return codes.to(torch.int8), step
     if kind in ("dynamic", "dynamic_unsigned"):
-        code = _map(kind)
-        mids = (code[1:] + code[:-1]) / 2                                   # (255,) decision boundaries
-        v = blocks / safe[:, None]
+        code, mids = _map(kind), _mids(kind)
+        v = flat / safe.repeat_interleave(lengths)                          # (n,) in [−1, 1]
         codes = torch.bucketize(v, mids)                                    # the nearest map value's index
         if kind == "dynamic_unsigned":      # a positive value never becomes 0 (Adam's √v + eps would collapse)
-            codes = torch.where((v > 0) & (code[codes] == 0), _smallest_positive(code), codes)
+            codes = torch.where((v > 0) & (codes == 0), _smallest_positive(code), codes)
         return codes.to(torch.uint8), absmax.to(scale_dtype)
     f = get_format(kind)                                                    # fp8: scale so N_b lands on fp8_max
     scale = (f.max / safe.double()).to(scale_dtype)
-    return saturating_cast(blocks * scale.float()[:, None], f), scale
+    return saturating_cast(flat * scale.float().repeat_interleave(lengths), f), scale
 
 
-def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
-    """(nb, B) codes → (nb, B) fp32."""
-    s = scales.float()[:, None]
+def _decode(codes: torch.Tensor, scales: torch.Tensor, lengths: torch.Tensor, kind: str) -> torch.Tensor:
+    """(n,) codes and (nb,) scales → (n,) fp32."""
+    s = scales.float().repeat_interleave(lengths)
     if kind in ("int8", "int4"):
         return codes.float() * s
     if kind in ("dynamic", "dynamic_unsigned"):
@@ -171,28 +194,18 @@ def quantize_blockwise(x: torch.Tensor, block_size: int = PAPER_BLOCK_SIZE, kind
     the length, the last block is simply shorter (nothing is padded or stored for the missing elements): exactly
     numel codes and ⌈numel / block_size⌉ scales. A NaN or inf is an error, unless allow_nonfinite=True: then its
     whole block decodes to NaN (what the quantized all-reduce uses to make every rank see an overflow)."""
-    _check(x, block_size, kind, allow_nonfinite)
+    _check(x, block_size, kind)
     flat = x.detach().reshape(-1).float()
-    n = flat.numel()
-    full = n // block_size * block_size
-    parts = [flat[:full].view(-1, block_size)] + ([flat[full:].view(1, -1)] if full < n else [])   # (nb, B), (1, r)
-    encoded = [_encode_blocks(b, kind, scale_dtype) for b in parts]
-    codes = torch.cat([c.reshape(-1) for c, _ in encoded])
-    scales = torch.cat([s for _, s in encoded])
-    if kind == "int4":
-        codes = _pack_int4(codes)
-    return QTensor(codes, scales, x.shape, kind, block_size)
+    codes, scales = _encode(flat, torch.tensor(block_lengths(flat.numel(), block_size)), kind, scale_dtype,
+                            allow_nonfinite)
+    return QTensor(_pack_int4(codes) if kind == "int4" else codes, scales, x.shape, kind, block_size)
 
 
 def dequantize_blockwise(q: QTensor) -> torch.Tensor:
     """The fp32 tensor a QTensor stands for (its original shape)."""
-    n, B = q.numel, q.block_size
+    n = q.numel
     codes = _unpack_int4(q.codes, n) if q.kind == "int4" else q.codes.reshape(-1)
-    full = n // B * B
-    out = [_decode_blocks(codes[:full].view(-1, B), q.scales[:full // B], q.kind).reshape(-1)]
-    if full < n:                                        # the short last block
-        out.append(_decode_blocks(codes[full:].view(1, -1), q.scales[full // B:], q.kind).reshape(-1))
-    return torch.cat(out).reshape(q.shape)
+    return _decode(codes, q.scales, torch.tensor(block_lengths(n, q.block_size)), q.kind).reshape(q.shape)
 
 
 def error_bound(x: torch.Tensor, q: QTensor) -> torch.Tensor:
@@ -228,15 +241,17 @@ def error_bound(x: torch.Tensor, q: QTensor) -> torch.Tensor:
 # ============================================================================================ 8-bit Adam
 class Adam8bit(torch.optim.Optimizer):
     """AdamW with 8-bit block-wise state (Dettmers et al. 2022): the update itself is AdamW's, in fp32; only what is
-    KEPT between steps is 8-bit. Each step, per parameter tensor:
+    KEPT between steps is 8-bit. Each step:
 
-        m, v = dequantize(state)                  fp32 temporaries, one tensor at a time
+        m, v = dequantize(state)                  fp32 temporaries
         p ← p·(1 − lr·wd);  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²
         p ← p − lr · (m / (1 − β₁ᵗ)) / (√v / √(1 − β₂ᵗ) + eps)
-        state = quantize(m: signed dynamic map, v: unsigned dynamic map), blocks of `block_size`
+        state = quantize(m: signed dynamic map, v: unsigned dynamic map), blocks of `block_size` per tensor
 
     State per tensor of n elements: two uint8 code tensors (n bytes each) and two fp32 absmax tensors (⌈n/B⌉ each);
-    the step count is a Python int. Every tensor is quantized, however small (bitsandbytes keeps tensors under
+    the step count is a Python int. Blocks never straddle two tensors, but the arithmetic runs on all the tensors
+    of a step at once (laid end to end, with per-tensor block lengths), so the per-step cost does not grow with the
+    number of tensors. Every tensor is quantized, however small (bitsandbytes keeps tensors under
     `min_8bit_size` = 4096 elements in fp32 by default).
     """
 
@@ -247,49 +262,57 @@ class Adam8bit(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.block_size = block_size
 
-    def _load(self, st: dict, name: str, kind: str, shape) -> torch.Tensor:
-        return dequantize_blockwise(QTensor(st[f"{name}_codes"], st[f"{name}_absmax"], shape, kind, self.block_size))
-
-    def _store(self, st: dict, name: str, kind: str, value: torch.Tensor) -> None:
-        q = quantize_blockwise(value, self.block_size, kind)
-        st[f"{name}_codes"].copy_(q.codes)                    # in place: the state keeps its storage
-        st[f"{name}_absmax"].copy_(q.scales)
+    def _init_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:                                            # zeros, quantized: the code of 0, absmax 0
+            nb = len(block_lengths(p.numel(), self.block_size))
+            st["step"] = 0
+            for name, kind in (("exp_avg", "dynamic"), ("exp_avg_sq", "dynamic_unsigned")):
+                st[f"{name}_codes"] = torch.full((p.numel(),), int((_map(kind) == 0).nonzero()[0]), dtype=torch.uint8)
+                st[f"{name}_absmax"] = torch.zeros(nb)
+        return st
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:                                    # zeros, quantized: code of 0, absmax 0
-                    zero = quantize_blockwise(torch.zeros(p.numel()), self.block_size, "dynamic")
-                    st["step"] = 0
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        st[f"{name}_codes"] = zero.codes.clone()
-                        st[f"{name}_absmax"] = zero.scales.clone()
-                m = self._load(st, "exp_avg", "dynamic", p.shape)
-                v = self._load(st, "exp_avg_sq", "dynamic_unsigned", p.shape)
-                st["step"] += 1
-                t = st["step"]
-                g = p.grad.float()
-                p32 = p.float()
-                p32.mul_(1 - lr * wd)
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-                p32.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
-                p.copy_(p32)
-                self._store(st, "exp_avg", "dynamic", m)
-                self._store(st, "exp_avg_sq", "dynamic_unsigned", v)
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                self._init_state(p)["step"] += 1
+            for t in sorted({self.state[p]["step"] for p in params}):   # one batch per step count (normally one)
+                self._update([p for p in params if self.state[p]["step"] == t], t, group)
         return None
+
+    def _update(self, params: list, t: int, group: dict) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        sts = [self.state[p] for p in params]
+        lengths = torch.tensor([b for p in params for b in block_lengths(p.numel(), self.block_size)])
+        m = _decode(torch.cat([st["exp_avg_codes"] for st in sts]), torch.cat([st["exp_avg_absmax"] for st in sts]),
+                    lengths, "dynamic")                                        # (Ψ,) fp32
+        v = _decode(torch.cat([st["exp_avg_sq_codes"] for st in sts]),
+                    torch.cat([st["exp_avg_sq_absmax"] for st in sts]), lengths, "dynamic_unsigned")
+        g = torch.cat([p.grad.reshape(-1).float() for p in params])
+        p32 = torch.cat([p.detach().reshape(-1).float() for p in params])
+        p32.mul_(1 - lr * wd)
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+        p32.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+        numels = [p.numel() for p in params]
+        blocks = [len(block_lengths(n, self.block_size)) for n in numels]
+        for p, new in zip(params, p32.split(numels)):
+            p.copy_(new.view_as(p))
+        for name, kind, value in (("exp_avg", "dynamic", m), ("exp_avg_sq", "dynamic_unsigned", v)):
+            codes, absmax = _encode(value, lengths, kind)                      # in place: the state keeps its storage
+            for st, c, a in zip(sts, codes.split(numels), absmax.split(blocks)):
+                st[f"{name}_codes"].copy_(c)
+                st[f"{name}_absmax"].copy_(a)
 
     def dequantized_state(self, p: torch.Tensor) -> dict:
         """{'exp_avg': m, 'exp_avg_sq': v} of parameter p, in fp32."""
         st = self.state[p]
-        return {"exp_avg": self._load(st, "exp_avg", "dynamic", p.shape),
-                "exp_avg_sq": self._load(st, "exp_avg_sq", "dynamic_unsigned", p.shape)}
+        return {name: dequantize_blockwise(QTensor(st[f"{name}_codes"], st[f"{name}_absmax"], p.shape, kind,
+                                                   self.block_size))
+                for name, kind in (("exp_avg", "dynamic"), ("exp_avg_sq", "dynamic_unsigned"))}
 
 
 def adam8bit_state_bytes(numels, block_size: int = PAPER_BLOCK_SIZE) -> int:
@@ -531,7 +554,7 @@ def ptq_bytes(model: nn.Module, *, bits: int, group_size: int | None = None, fil
 
 
 __all__ = ["KINDS", "PAPER_BLOCK_SIZE", "dynamic_map", "QTensor", "quantize_blockwise", "dequantize_blockwise",
-           "error_bound", "payload_bytes", "Adam8bit", "adam8bit_state_bytes", "COMM_KINDS", "QGRAD_TAG",
+           "error_bound", "payload_bytes", "block_lengths", "Adam8bit", "adam8bit_state_bytes", "COMM_KINDS", "QGRAD_TAG",
            "wire_bytes", "quantized_ring_all_reduce_bytes", "relative_half_step", "quantized_all_reduce_error_bound",
            "quantized_all_reduce", "quantized_data_parallel",
            "QuantizedLinear", "quantize_weights", "model_bytes", "ptq_bytes"]

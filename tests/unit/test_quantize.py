@@ -15,6 +15,7 @@ from course_lib.model import GPT, get_config
 from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")   # torch.jit, inside bitsandbytes
 CFG = get_config("nano")
 
 

@@ -62,9 +62,13 @@ def plot_memory(report: MemoryReport, *, ax=None, title: str = "Live memory by c
     t = [1e3 * s for s, _ in report.timeline]
     ys = [[snap[c] / scale for _, snap in report.timeline] for c in CATEGORIES]
     ax.stackplot(t, ys, labels=CATEGORIES, colors=[MEM_COLORS[c] for c in CATEGORIES], step="post")
-    for s, label in report.marks:
+    top = ax.get_ylim()[1] * 1.2              # headroom above the peak for the mark labels
+    ax.set_ylim(top=top)
+    for i, (s, label) in enumerate(report.marks):
         ax.axvline(1e3 * s, color="k", lw=0.6, ls=":")
-        ax.text(1e3 * s, ax.get_ylim()[1] * 0.98, f" {label}", fontsize=7, va="top")
+        # two alternating heights: marks an optimizer step apart ("opt 0", "fwd 1") would print over each other
+        ax.text(1e3 * s, top * (0.98 - 0.08 * (i % 2)), f" {label}", fontsize=7, va="top",
+                bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0, "pad": 1})
     ax.set_xlabel("time (ms)")
     ax.set_ylabel(f"live bytes ({unit})")
     ax.set_title(f"{title} — peak {fmt_bytes(report.peak)}")

@@ -239,22 +239,25 @@ def test_the_same_worker_runs_under_torchrun(tmp_path):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ")]
     assert len(lines) == 2, out.stdout
     assert "'sum': 3.0" in lines[0] and "'world_size': 2" in lines[1]
-    assert "'sent': 64" in lines[0]                           # 2(N−1)/N · 16 floats · 4 bytes
+    n, elements = 2, 16
+    assert f"'sent': {2 * (n - 1) * elements * 4 // n}" in lines[0]      # ring all-reduce: 2(N−1)/N · S bytes
 
 
 def test_run_module_launches_locally_too(no_leaks):
     out = subprocess.run([sys.executable, "-m", "course_lib.run", "tests/integration/_workers.py:ring_sum",
                           "--world-size", "3", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("'sum': 6.0") == 3
+    assert out.stdout.count(f"'sum': {3 * 4 / 2}") == 3                    # 3 ranks, each holding 1 + 2 + 3
 
 
 def test_spawned_ranks_run_an_importable_worker(no_leaks):
     import sys
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import _workers
-    res = launch(_workers.ring_sum, 2, "4", start_method="spawn", timeout=120)
-    assert [r["sum"] for r in res] == [3.0, 3.0] and res[0]["sent"] == 16
+    n, elements = 2, 4
+    res = launch(_workers.ring_sum, n, str(elements), start_method="spawn", timeout=120)
+    assert [r["sum"] for r in res] == [n * (n + 1) / 2] * n                  # every rank holds 1 + … + N
+    assert res[0]["sent"] == 2 * (n - 1) * elements * 4 // n               # ring all-reduce: 2(N−1)/N · S bytes
 
 
 def test_spawn_refuses_a_function_defined_in_main():

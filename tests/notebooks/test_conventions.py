@@ -83,7 +83,8 @@ def test_guards_the_environment_before_using_the_library(path):
 
 @lectures_and_solutions
 def test_uses_the_course_kernel(path):
-    assert read(path).metadata["kernelspec"]["name"] == "llm-systems-course"
+    from course_lib import COURSE_KERNEL
+    assert read(path).metadata["kernelspec"]["name"] == COURSE_KERNEL, f"{rel(path)}: pick the course kernel"
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=rel)

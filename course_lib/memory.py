@@ -413,8 +413,11 @@ class MemoryTracker(TorchDispatchMode):
             self._saved[key][0] += 1
         # detached: a saved *output* (softmax, log-softmax) carries its grad_fn, and holding it here would make a
         # reference cycle through autograd's C++ nodes that the garbage collector cannot break, so a graph dropped
-        # without backward would never be freed
-        return _Saved(self, key, t.detach())
+        # without backward would never be freed. Python attributes stay: inner hooks may have left notes on it.
+        held = t.detach()
+        if t.__dict__:
+            held.__dict__.update(t.__dict__)
+        return _Saved(self, key, held)
 
     def _unsave(self, key: int) -> None:
         with self._lock:

@@ -212,7 +212,7 @@ class DataParallelNaive(nn.Module):
 class DataParallelBucket(DataParallelNaive):
     """Bucketed: gradients are copied into flat buffers of about `bucket_cap_bytes` and each buffer is all-reduced
     with one collective, after backward. Same bytes as the naive form, far fewer messages: every message pays a
-    latency α, so k tensors cost 2(N−1)·k·α in the ring, a few buckets only 2(N−1)·#buckets·α (FACTS §1).
+    latency α, so k tensors cost 2(N−1)·k·α in the ring, a few buckets only 2(N−1)·#buckets·α (docs/formulas.md §1.1).
 
         params (reverse order):  [ lm_head | ln_f | fc_out fc_in … ] [ … wq ln1 ] … [ wpe wte ]
         buckets:                 └────── bucket 0 ──────┘ └─ bucket 1 ─┘     └ bucket k−1 ┘

@@ -276,7 +276,8 @@ def _weighted_worker(ctx, cls, cfg, tc, sizes, bucket_cap_bytes):
                     probes=[_GradTraffic(ctx.comm), GradProbe(at_step=0)], keep_params=True)
         except NotImplementedError:
             return NOT_IMPLEMENTED
-        out[name] = {"losses": r.losses, "params": r.params, "grads": _unprefixed(r["grads"]), "traffic": r["grad_traffic"],
+        out[name] = {"losses": r.losses, "params": r.params, "grads": _unprefixed(r["grads"]),
+                     "traffic": r["grad_traffic"],
                      "expect": (ddp.expected_bytes_sent(), ddp.expected_messages())}
     return out
 

@@ -10,7 +10,8 @@
     check_zero2_memory(Zero2, n)          fp32, after a step: 4Ψ parameters, only my gradient chunks (4·Σ chunk),
                                           m and v for them only (8·Σ chunk) — exact, per rank, from the accountant
     check_zero2_traffic(Zero2, n)         fp32 ledger bytes per rank = Σ over parameters of a ring reduce-scatter and a
-                                          ring all-gather (exact); over all ranks, DDP's 2(N−1)·4Ψ (docs/formulas.md §2.1)
+                                          ring all-gather (exact); over all ranks, DDP's 2(N−1)·4Ψ
+                                          (docs/formulas.md §2.1)
 
 The learner's `Zero2` is trained by the course's loop (`train.run`), like every optimizer of the course. Numerics
 run in float64, where data parallelism only reorders additions and agrees with one process to ~1e-12 whatever the

@@ -17,6 +17,8 @@ import torch
 from course_lib.data import ShardedBatches
 from course_lib.dist.launch import launch
 from course_lib.dist.mesh import Mesh
+from course_lib.memopt.recompute import apply_recompute, make_plan
+from course_lib.memopt.recompute_plan import activation_peak, formula_costs, pipeline_peaks
 from course_lib.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
 from course_lib.train import GradProbe, MemoryProbe, TrainConfig, make_optimizer, run
@@ -46,20 +48,39 @@ def test_stage_activation_bytes_count_the_embedding_dropout_mask():
 
 
 # ---------------------------------------------------------------------------------------------- on ranks
-def _step(stage, pipe, mesh, M, seed, probes):
-    return run(stage, make_optimizer(stage.parameters(), TrainConfig()), mesh.batches(CFG.seq_len, B, accum_steps=M,
-                                                                                       seed=seed),
-               steps=1, step_fn=pipe, probes=probes)
+POLICIES = ("none", "full", "selective", "every 2")
+GRAD_TOL = 1e-12                                    # float64: the pipeline only regroups the same additions
+
+
+def _plan(policy: str, n_blocks: int):
+    return make_plan("every", n_blocks, k=min(2, n_blocks)) if policy == "every 2" else make_plan(policy, n_blocks)
+
+
+def _step(ctx, cfg, M, policy, schedule="1f1b", dtype=None, probes=()):
+    """One training step of a fresh S-stage pipeline whose stage recomputes its blocks by `policy`; the dropout
+    generator is seeded per rank, so every variant draws the same masks."""
+    mesh = Mesh(ctx.comm, pp=ctx.world_size)
+    model = GPT(cfg, seed=0)
+    stage, pipe = P.apply_pipeline(model.to(dtype) if dtype else model, mesh, num_microbatches=M, schedule=schedule)
+    if policy != "none":
+        apply_recompute(stage, policy=_plan(policy, len(stage.blocks)))
+    torch.manual_seed(ctx.rank)
+    return run(stage, make_optimizer(stage.parameters(), TrainConfig()),
+               mesh.batches(cfg.seq_len, B, accum_steps=M, seed=0), steps=1, step_fn=pipe, probes=probes)
 
 
 def _ranks(ctx):
     S = ctx.world_size
-    mesh = Mesh(ctx.comm, pp=S)
     M = 2 * S + 1
-    stage, pipe = P.apply_pipeline(GPT(CFG, seed=0), mesh, num_microbatches=M)
-    torch.manual_seed(ctx.rank)
-    r = _step(stage, pipe, mesh, M, 0, [MemoryProbe(), GradProbe()])
-    return {"none": r["memory"]["report"].max_by_category["activations"]}
+    out = {}
+    for policy in POLICIES:
+        r = _step(ctx, CFG, M, policy, probes=[MemoryProbe(), GradProbe()])
+        out[policy] = {"peak": activation_peak(r["memory"]["report"]), "grads": r["grads"]}
+    r = _step(ctx, CFG, M, "full", schedule="gpipe", probes=[MemoryProbe()])
+    out["gpipe full"] = {"peak": activation_peak(r["memory"]["report"])}
+    r = _step(ctx, CFG.replace(dropout=0.0), M, "full", dtype=torch.float64, probes=[GradProbe()])
+    out["float64 full"] = {"grads": r["grads"]}
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,8 +88,48 @@ def _runs(S):
     return launch(_ranks, S, timeout=120)
 
 
+def _formula(S, policy, schedule="1f1b"):
+    plan = P.plan_pipeline(CFG, S, 2 * S + 1, schedule)
+    plans = {k: _plan(policy, end - start) for k, (start, end) in enumerate(plan.bounds)}
+    return pipeline_peaks(plan.schedule, plan.bounds, formula_costs(CFG, B), plans)
+
+
 @pytest.mark.parametrize("S", [2, 3])
 def test_a_stage_with_dropout_holds_what_its_schedule_predicts(S):
     plan = P.plan_pipeline(CFG, S, 2 * S + 1)
     units = {k: P.stage_activation_bytes(CFG, plan.bounds, k, B) for k in range(S)}
-    assert [r["none"] for r in _runs(S)] == P.peak_bytes(plan.schedule, units) == [(S - k) * units[k] for k in range(S)]
+    assert [r["none"]["peak"] for r in _runs(S)] == P.peak_bytes(plan.schedule, units) == \
+        [(S - k) * units[k] for k in range(S)] == _formula(S, "none")
+
+
+@pytest.mark.parametrize("S", [2, 3])
+def test_with_recomputation_each_stage_peaks_at_m_minus_1_held_plus_one_working_set(S):
+    ranks = _runs(S)
+    for policy in POLICIES[1:]:
+        assert [r[policy]["peak"] for r in ranks] == _formula(S, policy), policy
+    assert [r["gpipe full"]["peak"] for r in ranks] == _formula(S, "full", "gpipe")
+    # full recomputation, written out: stage k holds S − k micro-batches of E + n_k·4bTd (+ H on the last stage),
+    # one of them rebuilding a block (s instead of its 4bTd input) in backward
+    costs, bounds = formula_costs(CFG, B), P.split_layers(CFG.n_layer, S)
+    a, s = 4 * B * CFG.seq_len * CFG.d_model, costs.blocks[0].saved
+    for k, r in enumerate(ranks):
+        n, E, H = bounds[k][1] - bounds[k][0], costs.embed * (k == 0), costs.head * (k == S - 1)
+        held = E + n * a + H
+        assert r["full"]["peak"] == (S - k - 1) * held + max(held, E + (n - 1) * a + s)
+        assert r["full"]["peak"] < r["selective"]["peak"] < r["none"]["peak"]
+
+
+@pytest.mark.parametrize("S", [2, 3])
+def test_gradients_are_bitwise_those_without_recomputation_and_equal_the_reference(S):
+    ranks = _runs(S)
+    for policy in POLICIES[1:]:
+        for r in ranks:
+            assert r[policy]["grads"].keys() == r["none"]["grads"].keys()
+            assert all(torch.equal(g, r["none"]["grads"][k]) for k, g in r[policy]["grads"].items()), policy
+    M = 2 * S + 1
+    cfg = CFG.replace(dropout=0.0)
+    ref = GPT(cfg, seed=0).double()
+    ref(*ShardedBatches(cfg.seq_len, M * B, seed=0).global_batch(0))[1].backward()
+    grads = {k: g for r in ranks for k, g in r["float64 full"]["grads"].items()}
+    assert grads.keys() == {k for k, _ in ref.named_parameters()}
+    assert max((grads[k] - p.grad).abs().max().item() for k, p in ref.named_parameters()) < GRAD_TOL

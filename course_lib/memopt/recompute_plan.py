@@ -44,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..memory import MemoryTracker, fmt_bytes
 from ..model import GPT, block_activation_bytes, get_config
-from ..train import Probe
+from ..train import MemoryProbe, Probe
 from .recompute import Plan, Unit, attention_core, checkpoint, recompute_all
 
 
@@ -343,5 +343,21 @@ class FlopProbe(Probe):
 
 
 def activation_peak(report) -> int:
-    """The most bytes saved for backward (activations) plus recomputed ones at any moment of a MemoryReport."""
-    return max(snap.get("activations", 0) + snap.get("recomputed", 0) for _, snap in report.timeline)
+    """The most bytes saved for backward (activations) plus recomputed ones at any moment of a MemoryReport (or of
+    a MemoryTracker's own timeline)."""
+    if isinstance(report, MemoryTracker):
+        snaps = (snap["device"] for _, snap in report.timeline)
+    else:
+        snaps = (snap for _, snap in report.timeline)
+    return max(snap.get("activations", 0) + snap.get("recomputed", 0) for snap in snaps)
+
+
+class ActivationPeakProbe(MemoryProbe):
+    """The memory accountant over a run, handing back only its `activation_peak` — for runs that need that one
+    number (many short pipeline steps): building the whole report copies the timeline, which costs more than a
+    short step itself."""
+    name = "activation peak"
+
+    def finish(self):
+        self.close()
+        return activation_peak(self.tracker)

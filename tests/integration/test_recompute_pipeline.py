@@ -18,10 +18,10 @@ from course_lib.data import ShardedBatches
 from course_lib.dist.launch import launch
 from course_lib.dist.mesh import Mesh
 from course_lib.memopt.recompute import apply_recompute, make_plan
-from course_lib.memopt.recompute_plan import activation_peak, formula_costs, pipeline_peaks
+from course_lib.memopt.recompute_plan import ActivationPeakProbe, formula_costs, pipeline_peaks
 from course_lib.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
-from course_lib.train import GradProbe, MemoryProbe, TrainConfig, make_optimizer, run
+from course_lib.train import GradProbe, TrainConfig, make_optimizer, run
 
 pytestmark = pytest.mark.integration
 
@@ -74,10 +74,10 @@ def _ranks(ctx):
     M = 2 * S + 1
     out = {}
     for policy in POLICIES:
-        r = _step(ctx, CFG, M, policy, probes=[MemoryProbe(), GradProbe()])
-        out[policy] = {"peak": activation_peak(r["memory"]["report"]), "grads": r["grads"]}
-    r = _step(ctx, CFG, M, "full", schedule="gpipe", probes=[MemoryProbe()])
-    out["gpipe full"] = {"peak": activation_peak(r["memory"]["report"])}
+        r = _step(ctx, CFG, M, policy, probes=[ActivationPeakProbe(), GradProbe()])
+        out[policy] = {"peak": r["activation peak"], "grads": r["grads"]}
+    r = _step(ctx, CFG, M, "full", schedule="gpipe", probes=[ActivationPeakProbe()])
+    out["gpipe full"] = {"peak": r["activation peak"]}
     r = _step(ctx, CFG.replace(dropout=0.0), M, "full", dtype=torch.float64, probes=[GradProbe()])
     out["float64 full"] = {"grads": r["grads"]}
     return out

@@ -436,3 +436,16 @@ def test_pipeline_peaks_are_m_minus_1_held_plus_one_working_set():
     budget = 2 * held[1] + work[1]
     assert max_in_flight(budget, held[1], work[1]) == 3 and max_in_flight(budget - 1, held[1], work[1]) == 2
     assert max_in_flight(work[1] - 1, held[1], work[1]) == 0
+
+
+def test_the_activation_peak_probe_gives_the_reports_activation_peak():
+    from course_lib.memopt.recompute_plan import ActivationPeakProbe
+    cfg = get_config("nano", seq_len=16, dropout=0.1)
+    peaks = []
+    for probe in (MemoryProbe(), ActivationPeakProbe()):
+        model = apply_recompute(GPT(cfg), policy="full")
+        torch.manual_seed(0)
+        r = run(model, make_optimizer(model.parameters(), TrainConfig()), ShardedBatches(cfg.seq_len, 2), steps=1,
+                probes=[probe])
+        peaks.append(r[probe.name] if probe.name != "memory" else activation_peak(r["memory"]["report"]))
+    assert peaks[0] == peaks[1] == plan_peak(make_plan("full", cfg.n_layer), formula_costs(cfg, 2))

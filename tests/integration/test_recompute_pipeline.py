@@ -1,6 +1,6 @@
 """Recomputation inside pipeline stages (course_lib.memopt.recompute × course_lib.parallel.pipeline) on real gloo
 ranks: a stage with dropout runs and holds exactly what its schedule predicts; with each stage's blocks recomputed
-(`apply_recompute` on the `PipelineStage`), the activation peak of every stage is (m − 1)·held + work — m
+(`train_pipeline(…, recompute=policy)`: `apply_recompute` on the `PipelineStage`), the activation peak of every stage is (m − 1)·held + work — m
 micro-batches in flight (1F1B: S − stage), `held` what one keeps from F to B, `work` its working set in B —
 exactly, and the gradients are bitwise those of the same pipeline without recomputation (float32, dropout on) and
 equal the single-process reference (float64, dropout off).
@@ -17,11 +17,11 @@ import torch
 from course_lib.data import ShardedBatches
 from course_lib.dist.launch import launch
 from course_lib.dist.mesh import Mesh
-from course_lib.memopt.recompute import apply_recompute, make_plan
+from course_lib.memopt.recompute import make_plan
 from course_lib.memopt.recompute_plan import ActivationPeakProbe, formula_costs, pipeline_peaks
 from course_lib.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
-from course_lib.train import GradProbe, TrainConfig, make_optimizer, run
+from course_lib.train import GradProbe, TrainConfig
 
 pytestmark = pytest.mark.integration
 
@@ -59,14 +59,11 @@ def _plan(policy: str, n_blocks: int):
 def _step(ctx, cfg, M, policy, schedule="1f1b", dtype=None, probes=()):
     """One training step of a fresh S-stage pipeline whose stage recomputes its blocks by `policy`; the dropout
     generator is seeded per rank, so every variant draws the same masks."""
-    mesh = Mesh(ctx.comm, pp=ctx.world_size)
-    model = GPT(cfg, seed=0)
-    stage, pipe = P.apply_pipeline(model.to(dtype) if dtype else model, mesh, num_microbatches=M, schedule=schedule)
-    if policy != "none":
-        apply_recompute(stage, policy=_plan(policy, len(stage.blocks)))
+    blocks = P.split_layers(cfg.n_layer, ctx.world_size)[ctx.rank]
     torch.manual_seed(ctx.rank)
-    return run(stage, make_optimizer(stage.parameters(), TrainConfig()),
-               mesh.batches(cfg.seq_len, B, accum_steps=M, seed=0), steps=1, step_fn=pipe, probes=probes)
+    tc = TrainConfig(steps=1, batch_size=M * B)
+    return P.train_pipeline(Mesh(ctx.comm, pp=ctx.world_size), cfg, tc, num_microbatches=M, schedule=schedule,
+                            dtype=dtype, probes=probes, recompute=_plan(policy, blocks[1] - blocks[0]))[0]
 
 
 def _ranks(ctx):

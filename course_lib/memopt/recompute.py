@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -490,22 +492,42 @@ def make_plan(policy: str, n_layer: int, k: int | None = None) -> Plan:
     raise ValueError(f"unknown recomputation policy {policy!r}; use one of {POLICIES} or a Plan")
 
 
+def _blocks_and_cuts(model) -> tuple[list, set]:
+    """The blocks `model` runs, in order, and the positions between them where one forward call ends: none for a
+    GPT (`blocks` a ModuleList); for a pipeline stage (`blocks` a ModuleDict keyed by the GPT's block index,
+    `bounds` the [start, end) blocks of each of its (virtual) stages) the end of every stage it holds — each stage
+    is its own forward op, so a segment cannot run on past one."""
+    if isinstance(model.blocks, nn.ModuleDict):
+        bounds = getattr(model, "bounds", {})
+        sizes = [end - start for start, end in (bounds[k] for k in sorted(bounds))]
+        return list(model.blocks.values()), set(itertools.accumulate(sizes))
+    return list(model.blocks), set()
+
+
 def apply_recompute(model, mesh=None, *, policy: "str | Plan" = "full", k: int | None = None, blocks=None,
                     selective_policy=attention_core, preserve_rng_state: bool = True):
-    """Recompute activations of `model.blocks` (or `blocks`: the ones that run on this rank, e.g. a pipeline stage's)
-    according to `policy` — a name for `make_plan` or a `Plan`; 'selective' units recompute what
-    `selective_policy` says (Korthikanti's attention core by default). Returns the model, with
-    `model.recompute_plan` set.
+    """Recompute activations of `model.blocks` — a GPT's, or a pipeline stage's (`PipelineStage`: only the blocks
+    of this rank, in order) — or of `blocks`, according to `policy`: a name for `make_plan` or a `Plan`;
+    'selective' units recompute what `selective_policy` says (Korthikanti's attention core by default). Returns the
+    model, with `model.recompute_plan` set.
 
     Nothing is replaced: a forward pre-hook on a unit's first block opens its `Segment`, a forward hook on its last
-    block closes it, so parameter names, state dicts and wrappers (DDP, ZeRO) see the same modules. Recomputation is
-    local to a rank: `mesh` is accepted so every `apply_*` reads alike, and not used. Applying again replaces the plan.
+    block closes it, so parameter names, state dicts and wrappers (DDP, ZeRO, the pipeline executor) see the same
+    modules. On a pipeline stage every micro-batch's forward opens its own segments, so each micro-batch in flight
+    keeps only its segments' inputs. Recomputation is local to a rank: `mesh` is accepted so every `apply_*` reads
+    alike, and not used. Applying again replaces the plan.
     """
-    blocks = list(model.blocks if blocks is None else blocks)
+    blocks, cuts = _blocks_and_cuts(model) if blocks is None else (list(blocks), set())
     plan = policy if isinstance(policy, Plan) else make_plan(policy, len(blocks), k)
     if plan.n_layer != len(blocks):
         raise ValueError(f"the plan covers {plan.n_layer} blocks but the model runs {len(blocks)}; make it for "
                          f"n_layer={len(blocks)}")
+    for u in plan.units:
+        if any(u.start < c < u.end for c in cuts):
+            raise ValueError(f"the segment of blocks {u.start}–{u.end - 1} (counted on this rank) spans two pipeline "
+                             f"stages, whose forwards are separate ops (a stage ends after block(s) "
+                             f"{sorted(c - 1 for c in cuts)}); use segments that stay within a stage, e.g. a "
+                             f"per-block policy ('full', 'selective')")
     remove_recompute(model)
     handles = []
     for u in plan.units:

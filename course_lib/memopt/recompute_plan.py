@@ -22,6 +22,12 @@ selective keeps 34·sbh, full recomputation 2·sbh. For this toy (fp32, masks as
 activations, `model.block_activation_bytes`): s = 4·sbh(18 + 3as/h) + 16sb + s² with dropout (4·sbh(16 + as/h) + 16sb
 + s² without); selective keeps 4·sbh·18 (16) + 16sb; full keeps 4·sbh.
 
+Inside a pipeline (notebook 05's executor) stage k runs its part of the chain (`stage_chain`) once per micro-batch,
+so each of the m micro-batches it has in flight holds held_k = E + Σ_u held_u + H (`plan_held`; E and H only on the
+first and last stage) and the one whose backward runs needs the stage chain's peak: the stage's peak is
+(m − 1)·held_k + peak_k (`pipeline_peaks`; 1F1B: m = S − k), and a budget C admits 1 + ⌊(C − peak_k)/held_k⌋
+micro-batches in flight (`max_in_flight`).
+
 The optimal plan under a budget is a dynamic program over the chain — the single-level case of Herrmann et al.,
 "Optimal checkpointing for heterogeneous chains", ACM TOMS 2024 (Inria hal-02352969, 2019); Checkmate (Jain et al.,
 MLSys 2020) solves general graphs with an ILP. Walk the blocks left to right keeping, for every prefix, the plans no
@@ -38,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..memory import MemoryTracker, fmt_bytes
 from ..model import GPT, block_activation_bytes, get_config
-from ..train import Probe
+from ..train import MemoryProbe, Probe
 from .recompute import Plan, Unit, attention_core, checkpoint, recompute_all
 
 
@@ -263,6 +269,48 @@ def optimal_plan(costs: ChainCosts, budget: int, cost: str = "flops") -> Choice:
     return Choice(Plan(units, "optimal"), peak, extra)
 
 
+# ============================================================================================ inside a pipeline
+def stage_chain(costs: ChainCosts, bounds, stage: int) -> ChainCosts:
+    """The part of the chain pipeline stage `stage` runs (`bounds`: [start, end) blocks of every stage): its blocks,
+    the embedding on stage 0, the head and loss on the last. A later stage's input — received from the stage before
+    — is its first block's input, which that block's costs already count."""
+    start, end = bounds[stage]
+    return ChainCosts(costs.embed if stage == 0 else 0, costs.head if stage == len(bounds) - 1 else 0,
+                      tuple(costs.blocks[start:end]))
+
+
+def plan_held(plan: Plan, costs: ChainCosts) -> int:
+    """What one forward keeps until its backward under `plan`: E + Σ_u held_u + H (`plan_peak` is the most it needs
+    at once, in backward included)."""
+    _check(plan, costs)
+    return costs.embed + sum(costs.unit(u)[0] for u in plan.units) + costs.head
+
+
+def pipeline_peaks(schedule, bounds, costs: ChainCosts, policy: "str | dict" = "full") -> list[int]:
+    """Per pipeline rank, the activation peak of `schedule` (no B/W split) when every (virtual) stage recomputes its
+    blocks by `policy` — a name for `make_plan` or {stage: Plan}. Each micro-batch in flight on stage k holds
+    held_k = `plan_held` of the stage's chain; the one whose backward runs needs work_k = `plan_peak` at once. With
+    m micro-batches in flight the peak is (m − 1)·held_k + work_k (1F1B: m = S − k, docs/formulas.md §3.2);
+    `schedules.peak_bytes` walks the op lists. The exact form of GPipe's O(N + (L/K)·(N/M)) with
+    re-materialization (docs/formulas.md §3.1)."""
+    from ..parallel.pipeline.schedules import peak_bytes
+    from .recompute import make_plan
+    held, work = {}, {}
+    for k in range(schedule.num_virtual_stages):
+        chain = stage_chain(costs, bounds, k)
+        plan = make_plan(policy, len(chain.blocks)) if isinstance(policy, str) else policy[k]
+        held[k], work[k] = plan_held(plan, chain), plan_peak(plan, chain)
+    return peak_bytes(schedule, held, work)
+
+
+def max_in_flight(budget: int, held: int, work: int) -> int:
+    """The most micro-batches a stage can have in flight within `budget` bytes of activations: the largest m with
+    (m − 1)·held + work ≤ budget, 0 if not even one micro-batch's working set fits."""
+    if work > budget:
+        return 0
+    return 1 + (budget - work) // held
+
+
 # ============================================================================================ measuring a run
 class FlopProbe(Probe):
     """FLOPs of every 'forward' and 'backward' phase, counted by torch's FlopCounterMode (matrix multiplies)."""
@@ -295,5 +343,21 @@ class FlopProbe(Probe):
 
 
 def activation_peak(report) -> int:
-    """The most bytes saved for backward (activations) plus recomputed ones at any moment of a MemoryReport."""
-    return max(snap.get("activations", 0) + snap.get("recomputed", 0) for _, snap in report.timeline)
+    """The most bytes saved for backward (activations) plus recomputed ones at any moment of a MemoryReport (or of
+    a MemoryTracker's own timeline)."""
+    if isinstance(report, MemoryTracker):
+        snaps = (snap["device"] for _, snap in report.timeline)
+    else:
+        snaps = (snap for _, snap in report.timeline)
+    return max(snap.get("activations", 0) + snap.get("recomputed", 0) for snap in snaps)
+
+
+class ActivationPeakProbe(MemoryProbe):
+    """The memory accountant over a run, handing back only its `activation_peak` — for runs that need that one
+    number (many short pipeline steps): building the whole report copies the timeline, which costs more than a
+    short step itself."""
+    name = "activation peak"
+
+    def finish(self):
+        self.close()
+        return activation_peak(self.tracker)

@@ -232,15 +232,16 @@ def apply_pipeline(model, mesh_or_comm, *, num_microbatches: int, schedule="1f1b
 
 def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chunks: int = 1, layers=None,
                    data_parallel: str = "bucket", zero_stage: int | None = None, probes=(), keep_params: bool = False,
-                   dtype=None, model=None):
+                   dtype=None, model=None, recompute=None):
     """Train the course GPT (or `model`) as a pipeline over `mesh`'s pp axis with `train.run`, THE training loop.
-    The global batch of `tc.batch_size` sequences is dp_size × M micro-batches of b sequences. With dp_size > 1 the
-    stage's gradients are reduced over dp by the course's DDP (`data_parallel` kind, compose.apply_dp) or ZeRO
-    (`zero_stage` 1 or 2, compose.apply_zero). Returns (train.Run, this rank's PipelineStage, its Pipeline);
-    `pipeline.data_parallel` is the DDP wrapper (or None)."""
+    The global batch of `tc.batch_size` sequences is dp_size × M micro-batches of b sequences. `recompute` (a
+    policy name or Plan, notebook 08) recomputes the activations of this rank's blocks (compose.apply_recompute on
+    the stage). With dp_size > 1 the stage's gradients are reduced over dp by the course's DDP (`data_parallel`
+    kind, compose.apply_dp) or ZeRO (`zero_stage` 1 or 2, compose.apply_zero). Returns (train.Run, this rank's
+    PipelineStage, its Pipeline); `pipeline.data_parallel` is the DDP wrapper (or None)."""
     from ...model import GPT
     from ...train import make_optimizer, optimizer_kwargs, run
-    from ..compose import apply_dp, apply_zero
+    from ..compose import apply_dp, apply_recompute, apply_zero
     dp, M = mesh.size("dp"), num_microbatches
     if tc.batch_size % (dp * M):
         raise ValueError(f"global batch {tc.batch_size} does not split into dp={dp} × M={M} micro-batches of equal "
@@ -248,6 +249,8 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
     model = GPT(cfg, seed=tc.seed) if model is None else model
     model = model.to(dtype) if dtype is not None else model
     stage, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks, layers=layers)
+    if recompute is not None:                   # after the split, before DP: the blocks that run on this rank
+        apply_recompute(stage, mesh, policy=recompute)
     wrapped, optimizer = stage, None
     if zero_stage is not None:
         if zero_stage not in (1, 2):

@@ -317,16 +317,25 @@ def in_flight(s: Schedule, until: str = "B") -> list[int]:
     return out
 
 
-def peak_bytes(s: Schedule, stage_bytes: dict) -> list[int]:
+def peak_bytes(s: Schedule, stage_bytes: dict, backward_bytes: dict | None = None) -> list[int]:
     """Per rank, the peak of bytes held when F(stage) adds stage_bytes[stage] and its B releases them (a schedule
-    without B/W split): the activation peak the memory accountant must measure."""
+    without B/W split): the activation peak the memory accountant must measure.
+
+    `backward_bytes[stage]` (default: stage_bytes) is what one micro-batch needs at once while its B runs, in place
+    of what it held: more than it held when the backward rebuilds what the forward dropped (recomputation,
+    notebook 08), so during B(stage) the rank holds held − stage_bytes[stage] + backward_bytes[stage]."""
     if s.split_backward:
         raise ValueError("peak_bytes counts whole-backward schedules; a B/W split keeps part of a micro-batch until W")
+    work = stage_bytes if backward_bytes is None else backward_bytes
     out = []
     for ops in s.ops:
         held = peak = 0
         for op in ops:
-            held += stage_bytes[op.stage] if op.kind == "F" else -stage_bytes[op.stage]
+            if op.kind == "F":
+                held += stage_bytes[op.stage]
+            else:
+                peak = max(peak, held - stage_bytes[op.stage] + work[op.stage])
+                held -= stage_bytes[op.stage]
             peak = max(peak, held)
         out.append(peak)
     return out

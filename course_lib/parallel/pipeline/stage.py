@@ -69,7 +69,7 @@ class PipelineStage(nn.Module):
         self.bounds = {k: tuple(bounds[k]) for k in self.stages}
         self.last = num_virtual_stages - 1
         if 0 in self.stages:
-            self.wte, self.wpe = model.wte, model.wpe
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop      # GPT.embed: embedding dropout too
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for k in self.stages for i in range(*self.bounds[k])})
         if self.last in self.stages:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
@@ -91,14 +91,15 @@ class PipelineStage(nn.Module):
 
 def stage_activation_bytes(cfg: GPTConfig, bounds, stage: int, micro_batch_size: int, elem_bytes: int = 4) -> int:
     """Bytes one micro-batch leaves saved for backward on `stage` (float32 by default): its blocks, plus the token
-    ids and positions the embedding saves on stage 0, plus ln_f, the log-softmax, the targets and cross-entropy's
-    total weight on the last stage. Stage k > 0 saves its received input as its first block's input, so the stages
-    add up to `model.activation_bytes` exactly."""
+    ids and positions the embedding saves on stage 0 (and its dropout mask, with dropout on), plus ln_f, the
+    log-softmax, the targets and cross-entropy's total weight on the last stage. Stage k > 0 saves its received
+    input as its first block's input, so the stages add up to `model.activation_bytes` exactly."""
     B, T, d, V = micro_batch_size, cfg.seq_len, cfg.d_model, cfg.vocab_size
     start, end = bounds[stage]
     n = (end - start) * block_activation_bytes(cfg, B, T, elem_bytes)
     if stage == 0:
         n += 8 * B * T + 8 * T                                   # token ids (int64) and positions
+        n += elem_bytes * B * T * d if cfg.dropout > 0 else 0    # the embedding dropout's mask
     if stage == len(bounds) - 1:
         n += elem_bytes * B * T * (2 * d + V) + 8 * B * T        # ln_f in/out, log-softmax out; ln_f mean and rstd
         n += 8 * B * T + 4                                       # targets (int64), cross-entropy's total weight

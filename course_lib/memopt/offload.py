@@ -19,11 +19,11 @@ is a real copy, booked in a transfer log (a `dist.comm.Ledger` whose group is "p
 "sent", h2d and reads "received"). The PCIe link's *time* is the α–β model (`costmodel.PRESETS`, labelled modeled);
 disk time is measured. Checked against (docs/formulas.md §6):
 
-    activations on the device, offloaded    A_kept + 2·A_layer        the layers in flight in backward: the one whose
-                                                                       backward runs and the one being prefetched
+    activations on the device, offloaded    A_emb + A_layer + max(A_head, A_layer)   the layers in flight: the one
+                                            whose backward runs and the one arriving (§6.4)
     ZeRO-Offload model states on the device 2Ψ  (bf16 parameters; each gradient leaves as autograd produces it)
-    ZeRO-Offload link bytes per step        2Ψ down (bf16 gradients) + 2Ψ up (bf16 parameters)
-    SSD tier bytes per step                 12Ψ read + 12Ψ written  (fp32 master, m, v)
+    ZeRO-Offload link bytes per step        2Ψ down (bf16 gradients) + 2Ψ up (bf16 parameters) (§6.1)
+    SSD tier bytes per step                 12Ψ read + 12Ψ written  (fp32 master, m, v) (§6.6)
 """
 from __future__ import annotations
 
@@ -149,9 +149,11 @@ class StorageSwap:
         return buffers
 
     def copy_in(self, stashes, buffers, tag: str, t0: float) -> None:
-        """The h2d copies into buffers from `allocate` (any thread), booked as one transfer issued at t0."""
+        """The h2d copies into buffers from `allocate` (any thread), booked as one transfer issued at t0. The list
+        is emptied, so a thread pool holding this call's arguments a little longer holds no device memory."""
         for s, b in zip(stashes, buffers):
             b.copy_(s.host)
+        buffers.clear()
         _book(self.log, "recv", "h2d", tag, t0, sum(s.nbytes for s in stashes))
 
     @staticmethod
@@ -339,6 +341,7 @@ class LinkSchedule:
     compute_seconds: float  # measured compute (÷ speedup)
     link_seconds: dict      # lane -> modeled seconds busy
     link: Link
+    start: float = 0.0      # memory.now of the forward's start: time 0 of this schedule
 
     @property
     def hidden(self) -> bool:
@@ -391,7 +394,7 @@ def link_schedule(p: OffloadPass, link: Link, *, speedup: float = 1.0) -> LinkSc
     compute += [(shifted(scale(a)), shifted(scale(b)), f"bwd {i}") for i, (a, b) in p.backward.items() if b]
     ends = [b for a, b in p.backward.values() if b] + [b for a, b in p.forward.values() if b]
     busy = {lane: sum(t1 - t0 for ln, t0, t1, _, _ in transfers if ln == lane) for lane in ("d2h", "h2d")}
-    return LinkSchedule(sorted(compute), transfers, delay, scale(max(ends)), busy, link)
+    return LinkSchedule(sorted(compute), transfers, delay, scale(max(ends)), busy, link, start)
 
 
 def offloaded_activation_peak(cfg, batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
@@ -844,21 +847,35 @@ class DiskTier:
         """Read, update and write back every chunk: `update(i, master, exp_avg, exp_avg_sq)` for tensor i (views
         into the chunk just read, changed in place). The next chunk's read and this chunk's write overlap the
         update on the thread pool; at most one write is outstanding, so at most three chunks are in memory."""
-        read = carry_tracking(self._read)
-        write = carry_tracking(self._write)
-        pending_read = self._pool.submit(read, 0)
+        # A chunk travels to and from the threads in a one-element list that the receiving side empties: the
+        # pool's own bookkeeping (a finished task's arguments, a future's result) then never keeps a chunk alive,
+        # so host memory falls the moment a write is done, not whenever the pool lets go.
+        def read(c, box):
+            box.append(self._read(c))
+
+        def write(c, box):
+            self._write(c, box.pop())
+
+        read, write = carry_tracking(read), carry_tracking(write)
+        boxes = {0: []}
+        pending_read = self._pool.submit(read, 0, boxes[0])
         pending_write = None
         try:
             for c, idx in enumerate(self.chunks):
-                buf = pending_read.result()
-                pending_read = self._pool.submit(read, c + 1) if c + 1 < len(self.chunks) else None
+                pending_read.result()
+                buf = boxes.pop(c).pop()
+                if c + 1 < len(self.chunks):
+                    boxes[c + 1] = []
+                    pending_read = self._pool.submit(read, c + 1, boxes[c + 1])
+                else:
+                    pending_read = None
                 lay = self.layouts[c]
                 parts = [buf[k * lay.padded:(k + 1) * lay.padded] for k in range(3)]   # master | m | v
                 for j, i in enumerate(idx):
                     update(i, *(lay.view(part, j) for part in parts))
                 if pending_write is not None:
                     pending_write.result()
-                pending_write = self._pool.submit(write, c, buf)
+                pending_write = self._pool.submit(write, c, [buf])
                 del buf, parts
             pending_write.result()
         except BaseException:

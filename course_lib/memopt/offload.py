@@ -257,8 +257,8 @@ class ActivationOffload(nn.Module):
 
     # ---------------------------------------------------------------- the hook pair
     def _pack(self, t: torch.Tensor):
-        if self._layer is None or t.layout != torch.strided or t.device.type != "cpu" or not t.untyped_storage().nbytes() \
-                or t.untyped_storage()._cdata in self._keep:
+        storage = t.untyped_storage()
+        if self._layer is None or t.layout != torch.strided or not storage.nbytes() or storage._cdata in self._keep:
             return t
         s, new = self.swap.stash(t, self._layer, f"layer {self._layer}")
         if new:
@@ -988,7 +988,7 @@ def offload_log(optimizer) -> Ledger:
     return inner.log
 
 
-# ============================================================================================ 5. what fits, at what cost
+# ====================================================================================== 5. what fits, at what cost
 @dataclass(frozen=True)
 class Machine:
     """One accelerator and its host, for the decision picture. Everything here is a model: the memory sizes and the
@@ -1080,3 +1080,9 @@ def largest_fitting(option: str, m: Machine = Machine(), lo: float = 1e6, hi: fl
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if fit_options(mid, m)[option]["fits"] else (lo, mid)
     return lo
+
+
+__all__ = ["DEFAULT_LINK", "transfer_log", "StorageSwap", "ActivationOffload", "OffloadPass", "LinkSchedule",
+           "link_schedule", "offloaded_activation_peak", "break_even_speedup", "save_on_cpu_traffic", "adamw_", "TIERS",
+           "OffloadAdam", "OffloadDiskError", "DiskTier", "measure_disk", "zero_offload_step_time", "apply_offload",
+           "offload_log", "Machine", "gpt_shape", "fit_options", "largest_fitting"]

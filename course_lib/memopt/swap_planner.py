@@ -18,10 +18,13 @@ memory budget and the transfers the compute cannot hide cost as little modeled t
                     gradients, which must be the reference's bit for bit
 
 Device memory of a saved storage c (ops are numbered; "alive during op k" is what the accountant counts):
-    kept      [birth, max(drop, release)]
-    swapped   [birth, max(drop, out)] ∪ [prefetch, release]        out: the op during which its d2h finishes
-The least any plan can use is max over ops of (everything else + each swappable tensor on [birth, drop] ∪
-[need, release]): a budget below that is refused. docs/formulas.md §6.5.
+    kept      [birth, max(drop, released)]
+    swapped   [birth, max(drop, release)] ∪ [prefetch, released]        drop ≤ release < prefetch < need
+A prefetch is issued at an op boundary, before op `prefetch`: backward asks for a tensor between two ops, and a
+copy made right then could meet frees that have not happened yet, so the plan brings it in at the boundary before
+(prefetch ≤ need − 1) and the model stays exact. The least any plan can use is max over ops of (everything else +
+each swappable tensor on [birth, drop] ∪ [need − 1, released]): a budget below that is refused.
+docs/formulas.md §6.5.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..costmodel import Link, get_link
-from ..memory import CATEGORIES, MemoryTracker, fmt_bytes, now, saved_tensors_hooks_over, untracked
+from ..memory import MemoryTracker, fmt_bytes, now, saved_tensors_hooks_over, untracked
 from .offload import DEFAULT_LINK, StorageSwap, _Packed, transfer_log
 
 
@@ -53,7 +56,7 @@ class Storage:
     saved: bool = False     # autograd saved it for backward
     pack: int = -1          # the op during which it was first saved
     drop: int = -1          # the op after which the forward no longer holds it (it was swapped out in the trace)
-    need: int = -1          # the first op in backward that needs it back
+    need: int = -1          # the first op in backward that needs it back (asked for just before this op)
     release: int = -1       # the op after which autograd let go of it
     swappable: bool = False
 
@@ -129,8 +132,8 @@ class Trace:
     ops: list                   # [(name, seconds)]
     storages: list              # [Storage] on the device (the offload's own copies excluded)
     candidates: list            # [Storage] that can be swapped: saved, not parameters, idle between drop and need
-    base: np.ndarray            # device bytes alive during each op, counting every saved storage as kept … minus
-                                # the candidates (their bytes are added per plan)
+    base: np.ndarray            # device bytes alive during each op of everything but the candidates (a saved
+                                # storage that cannot be swapped counted as kept); a plan adds the candidates
     peak: int                   # device peak without swapping (the accountant's, reconstructed)
     measured_peak: int          # the accountant's peak in the trace run itself (every saved tensor swapped)
     psi_bytes: int              # parameter bytes (always on the device)
@@ -156,10 +159,10 @@ class _Executor:
 
     trace (plan=None): every saved storage (but parameters and buffers) is copied to the host at its first save and
         autograd keeps a note, so the forward's own references decide when the device original dies (`drop`); in
-        backward it is brought back at its first use (`need`) and dies when autograd lets go (`release`).
-    plan: only the plan's storages are swapped; the device original is held until the op during which its
-        modeled d2h finishes (`out`), its copy comes back before op `prefetch` — or at first use if that comes
-        earlier — and everything else stays as it is.
+        backward it is brought back when first asked for (before op `need`) and dies when autograd lets go.
+    plan: only the plan's storages are swapped; the device original is held through its `release` op, its copy
+        comes back before its `prefetch` op (at its first use, if that is the prefetch op itself), and everything
+        else stays as it is. Ops that run at an op boundary are the tracker's own: they count as memory, not ops.
     """
 
     def __init__(self, tracker: TracingTracker, keep: set, plan: "Plan | None" = None):
@@ -178,7 +181,7 @@ class _Executor:
 
     def _boundary(self, k: int) -> None:
         for cid, s in self.packs.items():
-            if s.hold is not None and self._out[cid] < k:    # its modeled d2h has finished: the original may go
+            if s.hold is not None and self._out[cid] < k:    # past its release op: the original may go
                 s.hold = None
         for cid in self._due.get(k, ()):
             s = self.packs.get(cid)
@@ -262,10 +265,9 @@ def trace_step(model: torch.nn.Module, batch) -> Trace:
     candidates = [r for r in storages if r.swappable]
     base = np.zeros(n, dtype=np.int64)
     for r in storages:
-        end = max(r.free, r.release) if r.saved else r.free
-        if r.swappable:
-            continue
-        base[max(r.birth, 0):min(end, n - 1) + 1] += r.nbytes
+        if not r.swappable:                                      # as traced; a saved one as if autograd kept it
+            end = max(r.free, r.release) if r.saved else r.free
+            base[max(r.birth, 0):min(end, n - 1) + 1] += r.nbytes
     keep = base.copy()
     for c in candidates:
         keep[max(c.birth, 0):min(max(c.drop, c.release), n - 1) + 1] += c.nbytes
@@ -278,7 +280,7 @@ def trace_step(model: torch.nn.Module, batch) -> Trace:
 class Plan:
     """For each swapped candidate (by trace id): the op after which its device original is let go (`release`: the
     compute waits there for its d2h if that has not finished) and the op before which its prefetch is issued
-    (`prefetch`: the compute waits at its first use if the h2d has not finished). drop ≤ release < prefetch ≤ need."""
+    (`prefetch`: the compute waits at its first use if the h2d has not finished). drop ≤ release < prefetch < need."""
     release: dict = field(default_factory=dict)       # candidate id -> op index
     prefetch: dict = field(default_factory=dict)      # candidate id -> op index
     name: str = ""
@@ -294,16 +296,17 @@ class Plan:
             known = {s.id for s in trace.storages}
             why = "are not storages of this trace" if any(u not in known for u in unknown) else \
                 "are in the trace but cannot be swapped (parameters, or needed again before the forward lets go)"
-            raise ValueError(f"swap plan {self.name!r} refers to tensors {unknown[:5]}{' …' if len(unknown) > 5 else ''} "
-                             f"that {why}; plan only ids from trace.candidates ({len(ids)} of them)")
+            more = " …" if len(unknown) > 5 else ""
+            raise ValueError(f"swap plan {self.name!r} refers to tensors {unknown[:5]}{more} that {why}; plan only "
+                             f"ids from trace.candidates ({len(ids)} of them)")
         if set(self.prefetch) != set(self.release):
             raise ValueError(f"swap plan {self.name!r}: every swapped tensor needs both a release and a prefetch op")
         by_id = {c.id: c for c in trace.candidates}
         for cid, p in self.prefetch.items():
             c, w = by_id[cid], self.release[cid]
-            if not c.drop <= w < p <= c.need:
-                raise ValueError(f"swap plan {self.name!r}: tensor {cid} needs drop ≤ release < prefetch ≤ need, i.e. "
-                                 f"{c.drop} ≤ {w} < {p} ≤ {c.need}")
+            if not c.drop <= w < p < c.need:
+                raise ValueError(f"swap plan {self.name!r}: tensor {cid} needs drop ≤ release < prefetch < need, i.e. "
+                                 f"{c.drop} ≤ {w} < {p} < {c.need}")
 
 
 @dataclass
@@ -365,19 +368,19 @@ def simulate(trace: Trace, plan: Plan, link: "Link | str" = DEFAULT_LINK, *, spe
 
 
 def least_memory(trace: Trace) -> Plan:
-    """Every candidate swapped, let go as soon as the forward drops it and brought back only when it is needed:
-    the least memory any plan uses, whatever it costs in stalls."""
-    return Plan({c.id: c.drop for c in trace.candidates}, {c.id: c.need for c in trace.candidates},
+    """Every candidate swapped, let go as soon as the forward drops it and brought back at the last boundary before
+    it is needed: the least memory any plan uses, whatever it costs in stalls."""
+    return Plan({c.id: c.drop for c in trace.candidates}, {c.id: c.need - 1 for c in trace.candidates},
                 "least memory")
 
 
 def minimum_budget(trace: Trace) -> int:
     """The least device memory any plan needs: each candidate on the device only while the forward holds it and
     from its first use in backward until autograd lets go, everything else as traced."""
-    return simulate(trace, least_memory(trace), costmodel_instant()).peak
+    return simulate(trace, least_memory(trace), _instant_link()).peak
 
 
-def costmodel_instant() -> Link:
+def _instant_link() -> Link:
     """A link that takes no time (for bounds that do not depend on the link)."""
     return Link("instant", 0.0, float("inf"), "a bound, not a link", kind="modeled")
 
@@ -412,8 +415,8 @@ def _before(trace: Trace, k0: int, seconds: float, speedup: float, limit: int) -
 def _timed(trace: Trace, c: Storage, lag: float, lead: float, speedup: float) -> tuple:
     """(release, prefetch) for c: let the original go once `lag` seconds of compute have run after its save, issue
     the prefetch `lead` seconds of compute before its use — both clamped to its idle window."""
-    w = c.drop if lag == 0 else max(c.drop, _after(trace, c.pack + 1, lag, speedup, c.need - 1))
-    return w, _before(trace, c.need, lead, speedup, w + 1)
+    w = c.drop if lag == 0 else max(c.drop, _after(trace, c.pack + 1, lag, speedup, c.need - 2))
+    return w, max(w + 1, min(_before(trace, c.need, lead, speedup, w + 1), c.need - 1))
 
 
 def no_swap() -> Plan:
@@ -442,7 +445,7 @@ def greedy(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spee
         if o.peak <= budget:
             return plan
         k = int(np.argmax(o.memory))
-        options = [c for c in trace.candidates if c.id not in plan.prefetch and c.drop < k < c.need]
+        options = [c for c in trace.candidates if c.id not in plan.prefetch and c.drop < k < c.need - 1]
         if not options:
             return None
         c = max(options, key=lambda c: (c.nbytes, c.need - c.drop))
@@ -471,7 +474,8 @@ def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spe
     factors = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
     K = len(factors)
     lag = [[_timed(trace, c, f * link.time(c.nbytes), 0.0, speedup)[0] for f in factors] for c in C]
-    lead = [[_before(trace, c.need, f * link.time(c.nbytes), speedup, c.drop + 1) for f in factors] for c in C]
+    lead = [[min(_before(trace, c.need, f * link.time(c.nbytes), speedup, c.drop + 1), c.need - 1) for f in factors]
+            for c in C]
 
     def plan_of(genome) -> Plan:
         plan = Plan(name="genetic")
@@ -544,4 +548,4 @@ def execute(model: torch.nn.Module, batch, trace: Trace, plan: Plan, budget: "in
 
 
 __all__ = ["Storage", "TracingTracker", "Trace", "Plan", "Outcome", "trace_step", "simulate", "minimum_budget",
-           "check_budget", "least_memory", "no_swap", "swap_all", "greedy", "genetic", "execute", "CATEGORIES"]
+           "check_budget", "least_memory", "no_swap", "swap_all", "greedy", "genetic", "execute"]

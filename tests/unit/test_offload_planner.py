@@ -100,7 +100,7 @@ def test_a_plan_that_names_a_tensor_outside_the_trace_is_refused(trace):
     with pytest.raises(ValueError, match="cannot be swapped"):
         SP.Plan({param.id: 1}, {param.id: 2}, "params").validate(trace)
     c = trace.candidates[0]
-    with pytest.raises(ValueError, match="drop ≤ release < prefetch ≤ need"):
+    with pytest.raises(ValueError, match="drop ≤ release < prefetch < need"):
         SP.Plan({cid: c.drop}, {cid: c.need + 1}, "late").validate(trace)
     with pytest.raises(ValueError, match="both a release and a prefetch"):
         SP.Plan({cid: c.drop}, {}, "half").validate(trace)

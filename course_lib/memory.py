@@ -464,6 +464,12 @@ class _ThreadView(TorchDispatchMode):
         return out
 
 
+def active_trackers() -> tuple:
+    """The trackers active in this thread, outermost first: for code that counts what the dispatcher cannot see
+    (`add_external` for a file) or labels what it did not allocate itself (`track` on an autograd gradient)."""
+    return _active.get()
+
+
 def carry_tracking(fn):
     """Wrap `fn` so that, run in another thread, its allocations are counted by the trackers active here (with the
     labels that thread sets itself: a thread starts with the default category 'other' and placement 'device')."""

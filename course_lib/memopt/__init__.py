@@ -1,14 +1,17 @@
 """Memory-saving techniques: they change how much each byte of training costs, not how ranks share the work
-(notebooks 07–09).
+(notebooks 07–09), each measured by the memory accountant (`course_lib.memory`) on the simulated accelerator.
 
-    offload     move optimizer state, gradients or activations to host memory or disk and back in time (07)
-    recompute   keep a segment's inputs instead of what it saves for backward, recompute the rest (08)
-    precision   number formats, mixed precision from scratch (fp32 master weights, dynamic loss scaling),
-                FP8 simulation with delayed scaling (09)
-    quantize    block-wise quantization, 8-bit Adam, quantized ring all-reduce with error feedback, weight-only
-                post-training quantization (09)
+    offload        activations to host memory (vDNN), optimizer state and the Adam step on the CPU (ZeRO-Offload,
+                   with the one-step delayed update), optimizer state on an SSD (ZeRO-Infinity) (07)
+    swap_planner   a traced training step, and what to swap out and when to prefetch it under a device budget
+                   (a greedy rule and a genetic search, SwapAdvisor-style) (07)
+    recompute      keep a segment's inputs instead of what it saves for backward, recompute the rest (08)
+    precision      number formats, mixed precision from scratch (fp32 master weights, dynamic loss scaling),
+                   FP8 simulation with delayed scaling (09)
+    quantize       block-wise quantization, 8-bit Adam, quantized ring all-reduce with error feedback, weight-only
+                   post-training quantization (09)
 
 Each module is a short file built on the shared mesh, flat buffers and training loop (`course_lib.train.run`), with
 its `apply_<technique>(model, mesh, ...)`; `course_lib.parallel.compose` says in which order they compose with
-tensor parallelism, pipelines and data parallelism.
+tensor parallelism, pipelines and data parallelism. The formulas checked are in docs/formulas.md.
 """

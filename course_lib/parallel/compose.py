@@ -14,6 +14,7 @@ The order matters, innermost first (torchtitan's `parallelize` applies them the 
 Data parallelism goes last because it is the only one that is indifferent to what a parameter is: it reduces (or
 shards) the gradients of whatever this rank holds — a TP shard of a weight of one pipeline stage is just a tensor.
 Later notebooks add their `apply_*` here.
+    offload (notebook 07, `course_lib.memopt.offload.apply_offload`): activations at 3, the optimizer inside 5
 """
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ def _whole(model: nn.Module) -> int:
 
 
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)
+from ..memopt.offload import apply_offload  # noqa: E402  (offload: activations at 3, ZeRO's inner optimizer at 5)
 
 __all__ = ["apply_dp", "apply_fsdp", "apply_precision", "apply_recompute", "apply_zero", "apply_tp", "apply_pipeline",
-           "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS", "STAGE_NAMES"]
+           "apply_offload", "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS", "STAGE_NAMES"]

@@ -1,0 +1,302 @@
+"""Offload on one process: vDNN activation offload, ZeRO-Offload (OffloadAdam on host, the DPU), the SSD tier, and
+the modeled link — against the no-offload reference, torch's AdamW and the formulas (docs/formulas.md §6)."""
+import errno
+import os
+
+import pytest
+import torch
+
+from course_lib.costmodel import get_link
+from course_lib.data import ShardedBatches
+from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
+from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
+                                       adamw_, apply_offload, break_even_speedup, fit_options, largest_fitting,
+                                       measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
+                                       zero_offload_step_time)
+from course_lib.model import GPT, activation_bytes, block_activation_bytes, get_config
+from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
+
+torch.set_num_threads(1)
+NANO = get_config("nano")
+
+
+def _fwd_bwd(model, cfg, B, wrap=None):
+    """One forward + backward under the memory accountant: (gradients, tracker)."""
+    x, y = ShardedBatches(cfg.seq_len, B).global_batch(0)
+    m = wrap(model) if wrap else model
+    with MemoryTracker().watch(model) as mem:
+        _, loss = m(x, y)
+        loss.backward()
+        del loss
+    if wrap:
+        m.close()
+    return {k: p.grad for k, p in model.named_parameters()}, mem, m
+
+
+# ============================================================================================ activations
+@pytest.mark.parametrize("cfg, B", [(NANO, 4), (get_config("nano", n_layer=1), 2),
+                                    (get_config("nano", n_layer=3, vocab_size=2048), 2)],
+                         ids=["nano", "one-layer", "big-head"])
+def test_activation_offload_gives_bitwise_gradients_and_keeps_only_the_layers_in_flight(cfg, B):
+    ref, plain, _ = _fwd_bwd(GPT(cfg), cfg, B)
+    got, mem, w = _fwd_bwd(GPT(cfg), cfg, B, ActivationOffload)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    A, layer = activation_bytes(cfg, B), block_activation_bytes(cfg, B)
+    assert plain.max_by_category["activations"] == A
+    assert mem.max_by_category["activations"] == offloaded_activation_peak(cfg, B)
+    assert mem.peak_at("host") == cfg.n_layer * layer                   # every layer, once, on the host
+    assert w.last_pass.layer_bytes == {i: layer for i in range(cfg.n_layer)}
+    assert w.log.bytes_sent(op="d2h") == w.log.bytes_recv(op="h2d") == cfg.n_layer * layer
+    assert mem.peak <= plain.peak and mem.total_at("host") == 0 and mem.current["activations"] == 0
+
+
+def test_offloaded_activations_fit_a_budget_the_plain_step_does_not():
+    cfg, B = get_config("nano", n_layer=4), 4
+    x, y = ShardedBatches(cfg.seq_len, B).global_batch(0)
+    _, plain, _ = _fwd_bwd(GPT(cfg), cfg, B)
+    _, off, _ = _fwd_bwd(GPT(cfg), cfg, B, ActivationOffload)
+    budget = off.peak
+    assert budget < plain.peak
+    with pytest.raises(SimulatedOutOfMemoryError, match="activations"):
+        m = GPT(cfg)
+        with SimulatedAccelerator(budget).track(m):
+            _, loss = m(x, y)
+            loss.backward()
+    m = GPT(cfg)
+    w = ActivationOffload(m)
+    with SimulatedAccelerator(budget).track(m) as mem:
+        _, loss = w(x, y)
+        loss.backward()
+    w.close()
+    assert mem.peak == budget
+
+
+def test_without_prefetch_each_layer_is_fetched_when_its_backward_asks_and_gradients_still_match():
+    ref, _, _ = _fwd_bwd(GPT(NANO), NANO, 2)
+    got, mem, w = _fwd_bwd(GPT(NANO), NANO, 2, lambda m: ActivationOffload(m, prefetch=False))
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    layer = block_activation_bytes(NANO, 2)
+    emb = 8 * 2 * NANO.seq_len + 8 * NANO.seq_len
+    head = activation_bytes(NANO, 2) - NANO.n_layer * layer - emb
+    assert mem.max_by_category["activations"] == emb + max(head, layer)      # one layer in flight, never two
+
+
+def test_a_storage_saved_by_several_ops_moves_once_and_save_on_cpu_moves_it_per_save_with_the_weights():
+    cfg, B = NANO, 2
+    batch = ShardedBatches(cfg.seq_len, B).global_batch(0)
+    theirs = save_on_cpu_traffic(GPT(cfg), batch)
+    ref, _, _ = _fwd_bwd(GPT(cfg), cfg, B)
+    assert all(torch.equal(ref[k], theirs["grads"][k]) for k in ref)
+    assert theirs["storage_bytes"] == activation_bytes(cfg, B)            # unique storages: the activations
+    assert theirs["parameter_saves"] > 0 and theirs["parameter_bytes"] > 0
+    assert theirs["bytes"] > theirs["storage_bytes"] + theirs["parameter_bytes"]   # duplicates and views
+    _, _, w = _fwd_bwd(GPT(cfg), cfg, B, ActivationOffload)
+    saves_in_layers = w.last_pass.saves
+    assert w.log.messages(op="d2h") < saves_in_layers                     # one copy per storage, not per save
+
+
+def test_the_modeled_link_hides_behind_this_cpu_and_stops_hiding_on_a_faster_device():
+    _, _, w = _fwd_bwd(GPT(NANO), NANO, 4, ActivationOffload)
+    link = get_link("PCIe Gen4 x16")
+    s = w.modeled_schedule(link)
+    assert s.hidden and s.exposed == 0.0
+    layer = block_activation_bytes(NANO, 4)
+    assert s.link_seconds["h2d"] == pytest.approx(NANO.n_layer * link.time(layer), rel=1e-12)   # one per layer
+    assert s.link_seconds["d2h"] == pytest.approx(sum(link.time(n) for _, _, n in w.last_pass.offloads), rel=1e-12)
+    k = break_even_speedup(w.last_pass, link)
+    assert 1 < k < float("inf")
+    assert w.modeled_schedule(link, speedup=k * 1.01).exposed > 0
+    assert w.modeled_schedule(link, speedup=k / 1.01).exposed == 0
+
+
+# ============================================================================================ ZeRO-Offload
+def test_our_cpu_adamw_is_torchs_adamw_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(1000, generator=g)
+    a, b = p0.clone().requires_grad_(), p0.clone()
+    opt = torch.optim.AdamW([a], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    m, v = torch.zeros(1000), torch.zeros(1000)
+    for step in range(1, 6):
+        grad = torch.randn(1000, generator=g)
+        a.grad = grad.clone()
+        opt.step()
+        adamw_(b, grad, m, v, step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        assert torch.equal(a.detach(), b)
+
+
+def test_offload_adam_in_fp32_trains_exactly_like_torch_adamw():
+    tc = TrainConfig(steps=3, batch_size=4, weight_decay=0.1)
+    batches = ShardedBatches(NANO.seq_len, tc.batch_size)
+    m1, m2 = GPT(NANO), GPT(NANO)
+    r1 = run(m1, make_optimizer(m1.parameters(), tc), batches, steps=tc.steps)
+    opt = OffloadAdam(m2.parameters(), **optimizer_kwargs(tc))
+    r2 = run(m2, opt, batches, steps=tc.steps)
+    assert r1.losses == r2.losses
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    psi = sum(p.numel() for p in m2.parameters())
+    assert opt.log.bytes_sent(op="d2h") == opt.log.bytes_recv(op="h2d") == tc.steps * 4 * psi
+
+
+def _mixed(tier, steps=3, **kw):
+    tc = TrainConfig(steps=steps, batch_size=4, weight_decay=0.1)
+    model = GPT(NANO).to(torch.bfloat16)
+    opt = OffloadAdam(model.parameters(), tier=tier, **optimizer_kwargs(tc), **kw)
+    probe = MemoryProbe()
+    r = run(model, opt, ShardedBatches(NANO.seq_len, tc.batch_size), steps=steps, probes=[probe])
+    opt.close()
+    return r, model, opt
+
+
+def test_zero_offload_keeps_2psi_on_the_device_moves_2psi_each_way_and_equals_the_mixed_precision_run():
+    steps = 3
+    r_dev, m_dev, _ = _mixed("device", steps)
+    r_host, m_host, opt = _mixed("host", steps)
+    assert r_dev.losses == r_host.losses
+    assert all(torch.equal(a, b) for a, b in zip(m_dev.parameters(), m_host.parameters()))
+    psi = sum(p.numel() for p in m_host.parameters())
+    before = r_dev["memory"]["after_step"][-1]
+    after = r_host["memory"]["after_step"][-1]
+    assert before["parameters"] + before["gradients"] + before["optimizer"] == 16 * psi        # 2 + 2 + 12
+    assert (after["parameters"], after["gradients"], after["optimizer"]) == (2 * psi, 0, 0)
+    host = r_host["memory"]["report"].at("host")["current"]
+    assert host["gradients"] == 2 * psi and host["optimizer"] == 12 * psi
+    # each gradient leaves as autograd produces it: at most the largest one is ever on the device
+    largest = max(p.numel() for p in m_host.parameters()) * 2
+    assert r_host["memory"]["report"].max_by_category["gradients"] == largest
+    assert opt.log.bytes_sent(op="d2h") == opt.log.bytes_recv(op="h2d") == steps * 2 * psi
+
+
+def test_the_delayed_update_trains_on_parameters_one_step_old():
+    """DPU: after the warm-up, the forward of step i + 1 uses the parameters of step i − 1. With a warm-up as long
+    as the run it is the ordinary run; with a shorter one the first steps agree and the rest differ."""
+    r_sync, m_sync, _ = _mixed("host", 5)
+    r_long, m_long, _ = _mixed("host", 5, dpu=True, dpu_warmup=5)
+    assert r_sync.losses == r_long.losses and all(torch.equal(a, b) for a, b in zip(m_sync.parameters(),
+                                                                                    m_long.parameters()))
+    r_dpu, m_dpu, opt = _mixed("host", 5, dpu=True, dpu_warmup=2)
+    assert r_dpu.losses[:3] == r_sync.losses[:3]     # steps 0, 1 ordinary; step 2 runs on step 1's parameters
+    assert opt.steps_done == 5 and len(opt.timings) == 5
+    psi = sum(p.numel() for p in m_dpu.parameters())
+    host = r_dpu["memory"]["report"].at("host")["peak"]
+    assert host >= 4 * psi + 12 * psi                # two gradient buffers + the fp32 state
+
+
+def test_modeled_step_time_with_the_delayed_update_is_the_longer_of_device_and_cpu():
+    link = get_link("PCIe Gen4 x16")
+    psi = 10**6
+    plain = zero_offload_step_time(0.1, 0.2, 0.15, psi, link=link)
+    dpu = zero_offload_step_time(0.1, 0.2, 0.15, psi, link=link, dpu=True)
+    assert plain["total"] == pytest.approx(0.3 + 0.15 + link.time(2 * psi))
+    assert dpu["total"] == pytest.approx(max(0.3, 0.15 + link.time(2 * psi))) and dpu["total"] < plain["total"]
+
+
+def test_bad_optimizer_options_are_refused_with_the_fix():
+    params = GPT(NANO).parameters()
+    with pytest.raises(ValueError, match="tier must be one of"):
+        OffloadAdam(params, tier="gpu")
+    with pytest.raises(ValueError, match="needs tier='host' or 'disk'"):
+        OffloadAdam(GPT(NANO).parameters(), tier="device", dpu=True)
+
+
+# ============================================================================================ the SSD tier
+def test_the_ssd_tier_reads_and_writes_12psi_per_step_and_ends_where_the_host_tier_ends(tmp_path):
+    steps = 3
+    r_host, m_host, _ = _mixed("host", steps)
+    r_disk, m_disk, opt = _mixed("disk", steps, offload_dir=str(tmp_path), chunk_bytes=64 << 10)
+    assert r_host.losses == r_disk.losses
+    assert all(torch.equal(a, b) for a, b in zip(m_host.parameters(), m_disk.parameters()))
+    psi = sum(p.numel() for p in m_disk.parameters())
+    assert opt.log.bytes_recv(op="read") == steps * 12 * psi
+    assert opt.log.bytes_sent(op="write") == (steps + 1) * 12 * psi          # the first state, then every step
+    assert len(opt.disk.chunks) > 3
+    rep = r_disk["memory"]["report"]
+    assert rep.at("disk")["peak"] == rep.at("disk")["current"]["optimizer"] == 12 * psi      # until close()
+    assert rep.at("host")["current"]["optimizer"] == 0
+    in_flight = max(snap.get("optimizer", 0) for _, snap in rep.at("host")["timeline"])
+    assert 0 < in_flight <= 3 * max(opt.disk.chunk_nbytes)                    # ≤ 3 chunks in host memory
+    assert opt.disk.closed and os.listdir(tmp_path) == []                    # removed at the end
+
+
+def test_a_directory_too_small_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(OffloadDiskError, match="needs .* Free space there, or pass offload_dir="):
+        DiskTier([100_000] * 4, directory=str(tmp_path), chunk_bytes=1 << 20, quota=1000)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_disk_filling_up_mid_step_raises_a_clear_error_and_leaves_no_file(tmp_path):
+    writes = []
+
+    def fault(chunk, nbytes):
+        writes.append(chunk)
+        if len(writes) > 6:                          # the first state is written, then a step runs out of space
+            raise OSError(errno.ENOSPC, "No space left on device")
+    model = GPT(NANO).to(torch.bfloat16)
+    opt = OffloadAdam(model.parameters(), tier="disk", offload_dir=str(tmp_path), chunk_bytes=32 << 10, fault=fault)
+    with pytest.raises(OffloadDiskError, match="is full: writing chunk"):
+        run(model, opt, ShardedBatches(NANO.seq_len, 2), steps=3)
+    assert opt.disk.closed and os.listdir(tmp_path) == []
+
+
+def test_an_offload_directory_that_cannot_hold_files_is_a_clear_error(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(OffloadDiskError, match="offload_dir= an existing, writable directory"):
+        DiskTier([10], directory=str(not_a_dir))
+    with pytest.raises(OffloadDiskError, match="writable directory"):
+        DiskTier([10], directory=str(tmp_path / "missing" / "dir"))
+    assert os.listdir(tmp_path) == ["file"]
+
+
+def test_chunk_writes_are_atomic_renames(tmp_path):
+    tier = DiskTier([1000, 2000, 3000], directory=str(tmp_path), chunk_bytes=12_000)
+    tier.initialize([torch.ones(1000), torch.ones(2000) * 2, torch.ones(3000) * 3])
+    seen = []
+    real = os.replace
+
+    def spy(src, dst):
+        seen.append((os.path.basename(src), os.path.basename(dst), os.path.exists(src)))
+        return real(src, dst)
+    os.replace = spy
+    try:
+        tier.step(lambda i, master, m, v: master.add_(1))
+    finally:
+        os.replace = real
+    assert seen and all(src == dst + ".tmp" and existed for src, dst, existed in seen)
+    masters = []
+    tier.step(lambda i, master, m, v: masters.append((i, master.clone())))
+    assert sorted((i, float(t[0])) for i, t in masters) == [(0, 2.0), (1, 3.0), (2, 4.0)]
+    tier.close()
+    assert not any(p.suffix == ".tmp" for p in tmp_path.rglob("*")) and os.listdir(tmp_path) == []
+
+
+def test_measured_disk_bandwidth_is_positive_and_leaves_nothing(tmp_path):
+    bw = measure_disk(str(tmp_path), nbytes=4 << 20, chunk_bytes=1 << 20)
+    assert bw["read"] > 0 and bw["write"] > 0 and bw["bytes"] == 4 * 12 * ((1 << 20) // 12)   # 4 chunks of 12 B × n
+    assert os.listdir(tmp_path) == []
+
+
+def test_apply_offload_builds_the_pieces_for_train_run(tmp_path):
+    tc = TrainConfig(steps=2, batch_size=2)
+    model, opt = apply_offload(GPT(NANO), optimizer="disk", offload_dir=str(tmp_path), **optimizer_kwargs(tc))
+    assert isinstance(model, ActivationOffload) and isinstance(opt, OffloadAdam) and opt.log is model.log
+    r = run(model, opt, ShardedBatches(NANO.seq_len, tc.batch_size), steps=tc.steps)
+    model.close()
+    opt.close()
+    assert len(r.losses) == 2 and next(model.parameters()).dtype == torch.bfloat16
+    assert {e.group for e in opt.log.events} >= {"pcie", "disk", "compute"}
+    with pytest.raises(ValueError, match="tier must be one of"):
+        apply_offload(GPT(NANO), optimizer="nvme")
+
+
+# ============================================================================================ the decision
+def test_the_decision_model_fits_by_its_formulas():
+    m = Machine()
+    limits = {k: largest_fitting(k, m) for k in fit_options(1e9, m)}
+    assert limits["none"] < limits["recompute"]
+    assert limits["offload: host"] == pytest.approx(m.host_bytes / 16, rel=2e-3)   # host: 16Ψ
+    assert limits["offload: host"] < limits["offload: SSD"] < limits[f"ZeRO-3 ×{m.zero_ranks}"]
+    for k, psi in limits.items():
+        assert fit_options(psi, m)[k]["fits"] and not fit_options(psi * 1.01, m)[k]["fits"]
+    o = fit_options(1e9, m)
+    assert not o["none"]["recompute"] and not o["offload: host"]["recompute"]
+    assert o["none"]["device"] - o["offload: host"]["device"] == 14e9          # 16Ψ → 2Ψ, same activations

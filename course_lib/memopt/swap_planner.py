@@ -85,6 +85,10 @@ class TracingTracker(MemoryTracker):
         finally:
             self._local.quiet = before
 
+    def _pack(self, t: torch.Tensor):
+        with self.quiet():                          # the accountant's own detached alias is bookkeeping, not an op
+            return super()._pack(t)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(self._local, "quiet", False):
             return super().__torch_dispatch__(func, types, args, kwargs)

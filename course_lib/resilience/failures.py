@@ -109,6 +109,7 @@ class KillAt(Probe):
     def __init__(self, rank: int, step: int, *, phase: str = "backward", start_step: int = 0,
                  sig: int = signal.SIGKILL, note=None):
         self.rank, self.step, self.phase, self.start_step, self.sig, self.note = rank, step, phase, start_step, sig, note
+        self.name = f"kill rank {rank}"
 
     def start(self, model, optimizer):
         import torch.distributed as dist

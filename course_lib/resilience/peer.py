@@ -207,6 +207,37 @@ def restore_from_peers(memory: HostMemory, model, optimizer, *, batches=None):
                    {"source": source, "bytes": len(blob)})
 
 
+def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: int = 3, steps: int, every: int,
+                     kill=(), note=None) -> dict:
+    """Train `cfg` with ZeRO-`stage` (compose.apply_zero) for `steps` steps with a peer snapshot every `every`;
+    in attempt > 0 restore from peers first. kill: [(rank, step), ...] — in attempt 0 each of those ranks is
+    SIGKILLed in that step's backward (`note`: a file that receives the time of death). Returns this rank's final
+    state pieces, the step it started from, where its state came from, and timings (perf_counter)."""
+    from ..model import GPT
+    from ..parallel.compose import apply_zero, data_parallel_batches
+    from ..train import optimizer_kwargs, run
+    from .checkpoint import CheckpointError
+    from .failures import KillAt
+    up = now()
+    model, opt = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, stage, **optimizer_kwargs(tc))
+    batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, seed=tc.data_seed)
+    start, source = 0, None
+    if attempt > 0:
+        resumed = restore_from_peers(memory, model, opt, batches=batches)
+        if resumed is None:
+            raise CheckpointError("no snapshot step survived in host memory (a rank and the peer holding its "
+                                  "replica were both lost): restart from the last checkpoint on disk")
+        start, batches, source = resumed.step, resumed.batches, resumed.meta["source"]
+    restored = now()
+    probes = [PeerCheckpointProbe(memory, every, start_step=start)]
+    if attempt == 0:
+        probes += [KillAt(rank, step, start_step=start, note=note) for rank, step in kill]
+    r = run(model, opt, batches, steps=steps - start, probes=probes)
+    state = {(p.key, p.start): p.tensor.clone() for p in training_state(model, opt).pieces}
+    return {"state": state, "start": start, "source": source, "up": up, "restored": restored,
+            "windows": r.windows, "snapshots": r["peer"], "sent": ctx.comm.ledger.by("tag")}
+
+
 # ============================================================================================ the driver
 @dataclass
 class Failure:
@@ -280,5 +311,5 @@ def run_with_recovery(worker, world_size: int, *args, max_restarts: int = 1, tim
     raise AssertionError("unreachable")
 
 
-__all__ = ["HostMemory", "PeerCheckpointProbe", "protect", "restore_from_peers", "pack", "unpack", "ring_shift",
+__all__ = ["HostMemory", "PeerCheckpointProbe", "protect", "restore_from_peers", "resilient_worker", "pack", "unpack", "ring_shift",
            "run_with_recovery", "Recovery", "Failure", "dead_ranks", "describe_exit"]

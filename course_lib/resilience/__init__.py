@@ -9,5 +9,6 @@ rank, and how often to checkpoint. Notebook 10.
     peer         Gemini: every rank keeps its state and a replica of its neighbour's in host memory; a driver that
                  relaunches the ranks after one is killed and restores the lost one from its peer, without disk
     failures     Young/Daly's checkpoint interval and a seeded simulation of goodput, and fault injectors
-    elastic      the same recovery under `torchrun --max-restarts`, and torchft's per-step fault tolerance
+    references   the production references: torchrun --max-restarts, torch.distributed.checkpoint, torchft;
+                 the workers that run under them
 """

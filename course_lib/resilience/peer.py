@@ -36,7 +36,7 @@ from ..dist.launch import LaunchError, LaunchTimeout, launch
 from ..memory import now
 from ..train import Probe
 from .checkpoint import _fill, snapshot
-from .state import Piece, ResumedBatches, set_rng_state, training_state
+from .state import ResumedBatches, set_rng_state, training_state
 
 
 class HostMemory:
@@ -221,20 +221,20 @@ def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: i
     up = now()
     model, opt = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, stage, **optimizer_kwargs(tc))
     batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, seed=tc.data_seed)
-    start, source = 0, None
+    start, source, nbytes = 0, None, 0
     if attempt > 0:
         resumed = restore_from_peers(memory, model, opt, batches=batches)
         if resumed is None:
             raise CheckpointError("no snapshot step survived in host memory (a rank and the peer holding its "
                                   "replica were both lost): restart from the last checkpoint on disk")
-        start, batches, source = resumed.step, resumed.batches, resumed.meta["source"]
+        start, batches, source, nbytes = resumed.step, resumed.batches, resumed.meta["source"], resumed.meta["bytes"]
     restored = now()
     probes = [PeerCheckpointProbe(memory, every, start_step=start)]
     if attempt == 0:
         probes += [KillAt(rank, step, start_step=start, note=note) for rank, step in kill]
     r = run(model, opt, batches, steps=steps - start, probes=probes)
     state = {(p.key, p.start): p.tensor.clone() for p in training_state(model, opt).pieces}
-    return {"state": state, "start": start, "source": source, "up": up, "restored": restored,
+    return {"state": state, "start": start, "source": source, "restored_bytes": nbytes, "up": up, "restored": restored,
             "windows": r.windows, "snapshots": r["peer"], "sent": ctx.comm.ledger.by("tag")}
 
 

@@ -150,13 +150,15 @@ def training_state(model, optimizer, *, template: dict | None = None) -> Trainin
     shapes.update((p.key, p.shape) for p in pieces if p.key.startswith("model/"))
     config = getattr(inner, "config", None)
     config = config.as_dict() if hasattr(config, "as_dict") else None
-    finish = None
-    if kind == "zero":
-        def finish():
-            from ..dist.collectives import all_gather_ring
-            for b in optimizer.buckets:
-                all_gather_ring(optimizer.comm, b.shard.detach(), b.padded, tag="ckpt_load", out=b.flat)
+    finish = (lambda: _all_gather_buckets(optimizer)) if kind == "zero" else None
     return TrainingState(kind, rank, world_size, pieces, shapes, config, comm, opt, finish)
+
+
+def _all_gather_buckets(optimizer) -> None:
+    """ZeRO-1/2 after loading: each rank filled its shard of every bucket; the all-gather fills the rest."""
+    from ..dist.collectives import all_gather_ring
+    for b in optimizer.buckets:
+        all_gather_ring(optimizer.comm, b.shard.detach(), b.padded, tag="ckpt_load", out=b.flat)
 
 
 def _materialize(opt, local, maps, template) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from course_lib.dist.launch import LaunchError, launch
 from course_lib.resilience import checkpoint as C
-from course_lib.resilience.elastic import resumable_worker, run_torchrun
+from course_lib.resilience.references import resumable_worker, run_torchrun
 from course_lib.resilience.peer import HostMemory, dead_ranks, describe_exit, resilient_worker, run_with_recovery
 from course_lib.model import get_config
 from course_lib.train import TrainConfig

@@ -17,9 +17,9 @@ import torch
 
 from course_lib.dist.launch import launch
 from course_lib.model import GPT
-from course_lib.parallel.compose import apply_zero, data_parallel_batches
+from course_lib.parallel.compose import apply_zero
 from course_lib.resilience import checkpoint as C
-from course_lib.resilience.elastic import CONFIG, TRAIN, resumable_worker
+from course_lib.resilience.references import CONFIG, TRAIN, dcp_worker, reload_worker, resumable_worker
 from course_lib.train import make_optimizer, optimizer_kwargs, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_resume_on_4_ranks_in_new_processes_is_bit_for_bit(straight, tmp_path, s
 
 def test_resume_from_the_command_line_is_a_new_interpreter_and_still_bit_for_bit(straight, tmp_path):
     shutil.copytree(straight[2] / "step_00000003", tmp_path / "step_00000003")
-    out = subprocess.run([sys.executable, "-m", "course_lib.run", "course_lib.resilience.elastic:resumable_worker",
+    out = subprocess.run([sys.executable, "-m", "course_lib.run", "course_lib.resilience.references:resumable_worker",
                           str(tmp_path), "6", "3", "-1", "0", "2", "--world-size", "4"], cwd=ROOT, timeout=180,
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0 and "rank 0: (0, 3, 6)" in out.stdout, out.stderr
@@ -76,18 +76,11 @@ def test_every_rank_writes_its_own_shard(straight):
 
 @pytest.mark.parametrize("stage, world_size", [(1, 2), (3, 2), (3, 3), (2, 1)])
 def test_a_4_rank_checkpoint_loads_on_another_number_of_ranks(straight, tmp_path, stage, world_size):
-    def reload_and_save(ctx, src, dst):
-        model, opt = apply_zero(GPT(CONFIG, seed=TRAIN.seed), ctx.comm, stage, **optimizer_kwargs(TRAIN))
-        batches = data_parallel_batches(ctx.comm, CONFIG.seq_len, TRAIN.batch_size)
-        r = C.load(src, model, opt, batches=batches)
-        C.save(dst, model, opt, step=r.step, batches=batches)
-        if stage < 3:                               # ZeRO-1/2: every rank holds the whole model again
-            return {n: p.detach().clone() for n, p in model.named_parameters()}
-    got = launch(reload_and_save, world_size, str(straight[stage]), str(tmp_path), timeout=120)
+    got = launch(reload_worker, world_size, str(straight[stage]), str(tmp_path), str(stage), timeout=120)
     saved = C.consolidate(straight[stage] / "step_00000006")
     assert _equal(saved, C.consolidate(tmp_path / "step_00000006"))
     assert json.loads((tmp_path / "step_00000006" / "meta.json").read_text())["world_size"] == world_size
-    for params in (g for g in got if g is not None):
+    for params in (g for g in got if g is not None):     # ZeRO-1/2: every rank holds the whole model again
         assert all(torch.equal(v, saved[f"model/{n}"]) for n, v in params.items())
 
 
@@ -128,36 +121,9 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_prev
 
 
 # ------------------------------------------------------------------------------------------- the PyTorch built-in
-def _dcp_worker(ctx, path, mode, steps):
-    """FSDP2 (fully_shard) + torch.distributed.checkpoint: train and save, or load into a fresh model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    model = GPT(CONFIG, seed=TRAIN.seed)
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = make_optimizer(model.parameters(), TRAIN)
-    if mode == "save":
-        run(model, opt, data_parallel_batches(ctx.comm, CONFIG.seq_len, TRAIN.batch_size), steps=steps)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    else:
-        msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    out = {f"model/{k}": v.clone() for k, v in full_m.items()}
-    out.update({f"optim/{s}/{k}": v.clone() for k, state in full_o["state"].items() for s, v in state.items()})
-    return out
-
-
 def test_dcp_reshards_4_to_2_like_ours_but_loads_a_flipped_byte_silently(tmp_path):
-    saved = launch(_dcp_worker, 4, str(tmp_path / "dcp"), "save", 3, timeout=240)[0]
-    loaded = launch(_dcp_worker, 2, str(tmp_path / "dcp"), "load", 0, timeout=240)[0]
+    saved = launch(dcp_worker, 4, tmp_path / "dcp", 3, timeout=240)[0]
+    loaded = launch(dcp_worker, 2, tmp_path / "dcp", timeout=240)[0]
     assert _equal(saved, loaded)                                  # resharding: the same values on 2 ranks
     from torch.distributed.checkpoint import FileSystemReader
     shutil.copytree(tmp_path / "dcp", tmp_path / "flipped")
@@ -167,5 +133,5 @@ def test_dcp_reshards_4_to_2_like_ours_but_loads_a_flipped_byte_silently(tmp_pat
     blob = bytearray(f.read_bytes())
     blob[item.offset + item.length // 2] ^= 0x01          # the middle of the item is tensor data
     f.write_bytes(bytes(blob))
-    flipped = launch(_dcp_worker, 2, str(tmp_path / "flipped"), "load", 0, timeout=240)[0]
+    flipped = launch(dcp_worker, 2, tmp_path / "flipped", timeout=240)[0]
     assert flipped.keys() == saved.keys() and not _equal(saved, flipped)      # no error: a wrong value

@@ -9,7 +9,7 @@ import torch
 
 from course_lib.dist.launch import LaunchError, launch
 from course_lib.resilience import checkpoint as C
-from course_lib.resilience.references import resumable_worker, run_torchrun
+from course_lib.resilience.references import resumable_worker, run_torchft, run_torchrun, torchft_summary
 from course_lib.resilience.peer import HostMemory, dead_ranks, describe_exit, resilient_worker, run_with_recovery
 from course_lib.model import get_config
 from course_lib.train import TrainConfig
@@ -118,3 +118,17 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
     a = C.consolidate(tmp_path / "straight" / "step_00000006")
     b = C.consolidate(tmp_path / "elastic" / "step_00000006")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchft_keeps_the_survivor_training_and_heals_the_replacement_from_live_state():
+    """Replica group 1 is SIGKILLed at step 5: replica 0's attempt at that step is discarded, it commits steps alone
+    (half the global batch each) until a replacement joins by copying its live state; both end with the same
+    parameters — which differ from an uninterrupted run's, since some steps saw half the samples."""
+    out = run_torchft(kill_step=5, down_steps=3)
+    s = torchft_summary(out)
+    assert out["codes"] == [0, -9, 0], out["stderr"]
+    assert s["killed_at_step"] == 5 and s["discarded"] == 1 and s["alone"] >= 3
+    assert s["joined_at_step"] >= 5 + 3 and s["same_parameters"]
+    straight = torchft_summary(run_torchft(steps=s["steps"], kill_step=-1))      # as many steps, no failure
+    assert straight["steps"] == s["steps"] and straight["same_parameters"] and straight["alone"] == 0
+    assert straight["sha256"] != s["sha256"]

@@ -35,7 +35,9 @@ def pinned_requirements(pyproject: Path | None = None) -> dict[str, str]:
         text = "\n".join(f'"{r.split(";")[0].strip()}"' for r in reqs)
     else:
         text = pyproject.read_text()
-    return {m.group(1).lower(): m.group(2) for m in re.finditer(r'"([A-Za-z0-9_.\-]+)==([^"\s;]+)"', text)}
+    # "name==1.0" or "name[extra]==1.0"; the extra does not change which distribution is pinned
+    return {m.group(1).lower(): m.group(2)
+            for m in re.finditer(r'"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^"\s;]+)"', text)}
 
 
 def check_environment(verbose: bool = True, required=("torch", "numpy", "matplotlib", "tqdm", "ipywidgets", "psutil")) -> None:

@@ -1,14 +1,21 @@
 """The α–β link model: the bridge from what we can measure on this machine to what a cluster would do.
 
-    t(S) = α + S·β          α: per-message latency (s), β = 1/B: seconds per byte
+    t(S) = α + S·β          α: per-message latency (s), β = 1/B: seconds per byte      (Hockney, Parallel
+    n½ = α/β                the size at which latency and bandwidth cost the same       Computing 20(3), 1994)
 
-Presets below carry their sources (shared/reference/FACTS.md §6, §9); bandwidths are nominal line rates per
-direction, and latencies marked `verified=False` are typical figures the facts sheet could not confirm.
-Everything computed from a preset is a *model*: notebooks label such output "modeled", never "measured".
-`fit_alpha_beta` calibrates α and β from measurements taken here, so the same formulas can be checked against
-this machine before they are trusted for another.
+Presets below carry their sources (docs/formulas.md §6, §9); bandwidths are nominal line rates per direction, and
+latencies marked `verified=False` are typical figures no primary source confirmed. Everything computed from a
+preset is a *model*: notebooks label such output "modeled", never "measured". `fit_alpha_beta` calibrates α and β
+from measurements taken here, so the same formulas can be checked against this machine before they are trusted for
+another.
 
-Collective times (ring, FACTS.md §1, Thakur et al. 2005):
+A transfer through several stages (a staging copy, then the wire, …), each a `Stage` with its own link, cut into k
+chunks of c = S/k bytes that flow through the stages one after another (docs/formulas.md §9):
+
+    T_pipelined = Σ_i t_i(c) + (k − 1)·max_i t_i(c)      (fill the pipe once, then the slowest stage sets the pace)
+    T_serial    = Σ_i t_i(S)                            (k = 1: store and forward, each stage waits for all S bytes)
+
+Collective times (ring, docs/formulas.md §1, Thakur et al. 2005):
     all-gather / reduce-scatter   (p−1)·α + (p−1)/p·S·β
     all-reduce (ring)             2(p−1)·α + 2(p−1)/p·S·β
     all-reduce (halving-doubling) 2·log₂p·α + 2(p−1)/p·S·β  (p a power of two; else + 2(α + S·β))
@@ -53,19 +60,20 @@ class Link:
 
 PRESETS: dict[str, Link] = {
     "PCIe Gen4 x16": Link("PCIe Gen4 x16", 1e-6, 31.5 * GB,
-                          "FACTS §6: 31.5 GB/s per direction (128b/130b); latency ~1 µs typical", verified=False),
+                          "docs/formulas.md §6: 31.5 GB/s per direction (128b/130b); latency ~1 µs typical",
+                          verified=False),
     "PCIe Gen5 x16": Link("PCIe Gen5 x16", 1e-6, 63.0 * GB,
-                          "FACTS §6: 63.0 GB/s per direction; latency ~1 µs typical", verified=False),
+                          "docs/formulas.md §6: 63.0 GB/s per direction; latency ~1 µs typical", verified=False),
     "NVLink 4": Link("NVLink 4", 1e-6, 450 * GB,
-                     "FACTS §9: 900 GB/s bidirectional per H100/H200 GPU → ~450 GB/s per direction (derived); "
-                     "latency ~1 µs typical", verified=False),
+                     "docs/formulas.md §9: 900 GB/s bidirectional per H100/H200 GPU → ~450 GB/s per direction "
+                     "(derived); latency ~1 µs typical", verified=False),
     "InfiniBand NDR": Link("InfiniBand NDR", 1e-6, 50 * GB,
-                           "FACTS §9: 400 Gb/s per port = 50 GB/s; RDMA verbs ≈1 µs for small messages"),
+                           "docs/formulas.md §9: 400 Gb/s per port = 50 GB/s; RDMA verbs ≈1 µs for small messages"),
     "RoCEv2 200G": Link("RoCEv2 200G", 1.5e-6, 25 * GB,
-                        "FACTS §9: 200 GbE line rate 25 GB/s; RDMA verbs ≈1–1.6 µs (ib_send_lat testbed)"),
+                        "docs/formulas.md §9: 200 GbE line rate 25 GB/s; RDMA verbs ≈1–1.6 µs (ib_send_lat testbed)"),
     "TCP 100GbE": Link("TCP 100GbE", 30e-6, 12.5 * GB,
-                       "FACTS §9: 100 GbE line rate 12.5 GB/s; kernel TCP latency 'tens of µs' (UNVERIFIED); "
-                       "sustained single-flow TCP throughput is UNVERIFIED and usually below line rate",
+                       "docs/formulas.md §9: 100 GbE line rate 12.5 GB/s; kernel TCP latency 'tens of µs' "
+                       "(UNVERIFIED); sustained single-flow TCP throughput is UNVERIFIED and usually below line rate",
                        verified=False),
 }
 
@@ -95,6 +103,29 @@ def fit_alpha_beta(sizes, times, name: str = "this machine") -> Link:
     if beta <= 0:
         raise ValueError("fitted β is not positive: measure larger messages so bandwidth shows")
     return Link(name, max(float(alpha), 0.0), 1.0 / float(beta), "fitted on this machine", True, "fitted")
+
+
+# ---------------------------------------------------------------------------- stages in a pipeline
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a modeled transfer: its time for S bytes is link.time(S) = α + S·β. `category` groups stages
+    for a breakdown (e.g. 'staging', 'cpu_protocol', 'wire')."""
+    name: str
+    link: Link
+    category: str = ""
+
+    def time(self, nbytes: float) -> float:
+        return self.link.time(nbytes)
+
+
+def pipelined_time(stages, nbytes: float, chunks: int) -> float:
+    """Σ_i t_i(c) + (k − 1)·max_i t_i(c) with c = S/k: the first chunk fills the pipe, then one chunk leaves per
+    slowest-stage time. chunks = 1 is the store-and-forward (serial) time Σ_i t_i(S). Every chunk pays every
+    stage's α, so with a single stage chunking only adds (k − 1)·α."""
+    if chunks < 1:
+        raise ValueError("chunks must be >= 1")
+    t = [s.time(nbytes / chunks) for s in stages]
+    return sum(t) + (chunks - 1) * max(t)
 
 
 # ---------------------------------------------------------------------------- collectives under the model
@@ -141,7 +172,8 @@ ALL_REDUCE_TIME = {"naive": naive_all_reduce_time, "ring": ring_all_reduce_time,
 
 
 def bus_bandwidth(op: str, nbytes: float, seconds: float, p: int) -> tuple[float, float]:
-    """(algbw, busbw) in bytes/s as nccl-tests defines them (FACTS §1): algbw = S/t, busbw = algbw × factor."""
+    """(algbw, busbw) in bytes/s as nccl-tests defines them (docs/formulas.md §1): algbw = S/t,
+    busbw = algbw × factor."""
     factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
               "broadcast": 1.0, "reduce": 1.0}[op]
     algbw = nbytes / seconds

@@ -92,7 +92,9 @@ class ShardedBatches:
     def _windows(self, offsets: torch.Tensor):
         idx = offsets[:, None] + torch.arange(self.seq_len + 1)[None, :]   # (B, T+1)
         w = self.tokens[idx]
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()                # x, y: (B, T)
+        # clones, not .contiguous(): with B = 1 both slices already count as contiguous and would stay views of one
+        # storage, which a memory count of saved inputs would see once instead of twice
+        return w[:, :-1].clone(), w[:, 1:].clone()                          # x, y: (B, T)
 
     def get(self, step: int, micro: int = 0):
         """This rank's (x, y) for `step` and accumulation micro-step `micro`: each (micro_batch_size, seq_len)."""

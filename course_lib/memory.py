@@ -411,7 +411,13 @@ class MemoryTracker(TorchDispatchMode):
                 self._saved[key] = [0, entry[1] if entry is not None else "other"]
                 self._relabel(storage, "activations")
             self._saved[key][0] += 1
-        return _Saved(self, key, t)
+        # detached: a saved *output* (softmax, log-softmax) carries its grad_fn, and holding it here would make a
+        # reference cycle through autograd's C++ nodes that the garbage collector cannot break, so a graph dropped
+        # without backward would never be freed. Python attributes stay: inner hooks may have left notes on it.
+        held = t.detach()
+        if t.__dict__:
+            held.__dict__.update(t.__dict__)
+        return _Saved(self, key, held)
 
     def _unsave(self, key: int) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ class GPTConfig:
     mlp_ratio: int = 4        # MLP hidden = mlp_ratio * d_model
     bias: bool = True
     tie_weights: bool = False  # share the token embedding with the LM head (GPT-2 does)
+    dropout: float = 0.0       # GPT-2's four dropouts (embedding, attention, two residual); 0 = none, as before
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -40,6 +41,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: n_head={self.n_head} must divide d_model={self.d_model} "
                              f"(each head gets d_model/n_head dimensions); try n_head in "
                              f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0][:8]}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout is a probability in [0, 1), got {self.dropout!r}")
 
     @property
     def head_dim(self) -> int:
@@ -87,6 +90,8 @@ class CausalSelfAttention(nn.Module):
         self.wk = nn.Linear(d, d, bias=cfg.bias)
         self.wv = nn.Linear(d, d, bias=cfg.bias)
         self.wo = nn.Linear(d, d, bias=cfg.bias)
+        self.attn_drop = nn.Dropout(cfg.dropout)     # on the attention probabilities (GPT-2's attn_dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)    # on the output projection (GPT-2's resid_dropout)
         self.register_buffer("mask", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +107,10 @@ class CausalSelfAttention(nn.Module):
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))   # (B, nh, T, T)
         att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
         att = F.softmax(att, dim=-1)                               # (B, nh, T, T)
+        att = self.attn_drop(att)
         y = att @ v                                                # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, local)                 # (B, T, d_local)
-        return self.wo(y)                                          # (B, T, d)
+        return self.resid_drop(self.wo(y))                         # (B, T, d)
 
 
 class MLP(nn.Module):
@@ -115,9 +121,10 @@ class MLP(nn.Module):
         hidden = cfg.mlp_ratio * cfg.d_model
         self.fc_in = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.fc_out = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x)))           # (B, T, 4d) inside, (B, T, d) out
+        return self.drop(self.fc_out(F.gelu(self.fc_in(x))))    # (B, T, 4d) inside, (B, T, d) out
 
 
 class Block(nn.Module):
@@ -150,6 +157,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -177,7 +185,7 @@ class GPT(nn.Module):
         if T > self.config.seq_len:
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.config.seq_len}")
         pos = torch.arange(T, device=idx.device)
-        return self.wte(idx) + self.wpe(pos)                    # (B, T, d)
+        return self.drop(self.wte(idx) + self.wpe(pos))         # (B, T, d)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))                       # (B, T, V)
@@ -250,27 +258,34 @@ def block_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int
                            elem_bytes: int = 4) -> int:
     """Bytes one Block saves for backward, counted op by op for this implementation (fp32 by default):
 
-        elem·B·T·((8 + 2r)·d + n_head·T)  +  4·elem·B·T  +  T²
+        elem·B·T·((8 + 2r)·d + n_head·T)  +  4·elem·B·T  +  T²              (dropout = 0)
         └ tensors of width d: block input, ln1 out, q, k, v, attention output (reshape copy), residual, ln2 out (8d);
           MLP: fc_in out and GELU out (2·r·d); softmax output (n_head·T per token)
                                     └ LayerNorm mean and rstd, 2 per LN, in the input's dtype on CPU  └ causal mask
+        + elem·B·T·(2d + 2·n_head·T)                                    (dropout > 0, in training)
+        └ CPU dropout keeps its mask as a tensor of the activation's dtype (`empty_like(x).bernoulli_()`): the two
+          residual dropouts keep one of width d each; attention dropout keeps its mask and its output (T per head)
     With r = 4 and no dropout this is Korthikanti et al.'s sbh(34 + 5as/h) (MLSys'23) less its dropout terms:
-    16 elements of width d and one attention map per token.
+    16 elements of width d and one attention map per token. With dropout it is their count term by term — 18
+    tensors of width d and 3 attention maps — with each mask as wide as an activation instead of 1 byte.
     """
     c = get_config(cfg)
     B, T, d, r = batch_size, seq_len or c.seq_len, c.d_model, c.mlp_ratio
-    return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 4 * elem_bytes * B * T + T * T
+    dropout = elem_bytes * B * T * (2 * d + 2 * c.n_head * T) if c.dropout > 0 else 0
+    return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 4 * elem_bytes * B * T + T * T + dropout
 
 
 def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
     """Bytes the whole GPT saves for backward in one forward with separate input and target tensors:
     every block, plus the head (ln_f input and output, log-softmax output of width V, LN stats), the int64 token
-    ids and targets, the int64 positions, and cross-entropy's total weight (one element)."""
+    ids and targets, the int64 positions, and cross-entropy's total weight (one element); with dropout > 0 also the
+    embedding dropout's mask (width d)."""
     c = get_config(cfg)
     B, T = batch_size, seq_len or c.seq_len
     head = elem_bytes * B * T * (2 * c.d_model + c.vocab_size + 2)      # ln_f in/out, log-softmax, ln_f stats
     ids = 8 * B * T * 2 + 8 * T + elem_bytes        # int64 ids, targets, positions; cross-entropy's total weight
-    return c.n_layer * block_activation_bytes(c, B, T, elem_bytes) + head + ids
+    embed_dropout = elem_bytes * B * T * c.d_model if c.dropout > 0 else 0
+    return c.n_layer * block_activation_bytes(c, B, T, elem_bytes) + head + ids + embed_dropout
 
 
 def count_parameters(model: nn.Module) -> int:

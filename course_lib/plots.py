@@ -69,9 +69,13 @@ def plot_memory(report: MemoryReport, *, ax=None, title: str = "Live memory by c
     cats = [c for c in CATEGORIES if any(snap.get(c, 0) for _, snap in series)]
     ys = [[snap.get(c, 0) / scale for _, snap in series] for c in cats]
     ax.stackplot(t, ys, labels=cats, colors=[MEM_COLORS[c] for c in cats], step="post")
-    for s, label in report.marks:
+    top = ax.get_ylim()[1] * 1.2              # headroom above the peak for the mark labels
+    ax.set_ylim(top=top)
+    for i, (s, label) in enumerate(report.marks):
         ax.axvline(1e3 * (s - t0), color="k", lw=0.6, ls=":")
-        ax.text(1e3 * (s - t0), ax.get_ylim()[1] * 0.98, f" {label}", fontsize=7, va="top")
+        # two alternating heights: marks an optimizer step apart ("opt 0", "fwd 1") would print over each other
+        ax.text(1e3 * (s - t0), top * (0.98 - 0.08 * (i % 2)), f" {label}", fontsize=7, va="top",
+                bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0, "pad": 1})
     ax.set_xlabel("time (ms)")
     ax.set_ylabel(f"live bytes ({unit})")
     peak = report.at(placement)["peak"]
@@ -99,26 +103,48 @@ def plot_memory_split(splits: dict, *, ax=None, title: str = "Where memory goes"
     return ax
 
 
-def plot_traffic(ledgers, *, key: str = "op", ax=None, title: str = "Bytes sent per rank", unit: str = "KiB"):
-    """Grouped bars: bytes each rank sent, split by op (or tag). Nominal (backend) entries are hatched."""
+def _bytes_label(v: float, _pos=None) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if v >= k:
+            return f"{v / k:.3g} {unit}"
+    return f"{v:.3g} B"
+
+
+def plot_traffic(ledgers, *, key: str = "op", ax=None, title: str = "Bytes sent per rank", unit: str = "KiB",
+                 log: bool | None = None):
+    """Grouped bars: bytes each rank sent, split by op (or tag), each bar labelled with its value. Nominal
+    (backend) entries are hatched. `log=None` picks a log axis when the bars span more than 100× (an 8-byte token
+    next to a 384 KiB all-reduce would otherwise be invisible); the linear axis is in `unit`."""
     ax = _ax(ax, (8, 3.2))
-    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     names = sorted({getattr(e, key) for L in ledgers for e in L.events if e.sent})
+    sent = {name: [sum(e.sent for e in L.events if getattr(e, key) == name) for L in ledgers] for name in names}
+    nonzero = [v for vals in sent.values() for v in vals if v > 0]
+    if log is None:
+        log = bool(nonzero) and max(nonzero) > 100 * min(nonzero)
+    scale = 1 if log else {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     width = 0.8 / max(1, len(names))
     for j, name in enumerate(names):
-        vals, nominal = [], False
-        for L in ledgers:
-            sel = [e for e in L.events if getattr(e, key) == name]
-            vals.append(sum(e.sent for e in sel) / scale)
-            nominal |= any(e.nominal for e in sel)
+        nominal = any(e.nominal for L in ledgers for e in L.events if getattr(e, key) == name)
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(ledgers))]
-        ax.bar(xs, vals, width, label=f"{name}{' (nominal)' if nominal else ''}", hatch="//" if nominal else None)
+        vals = [v / scale if v > 0 or not log else float("nan") for v in sent[name]]
+        bars = ax.bar(xs, vals, width, label=f"{name}{' (nominal)' if nominal else ''}",
+                      hatch="//" if nominal else None)
+        ax.bar_label(bars, labels=[_bytes_label(v) if v > 0 else "" for v in sent[name]], fontsize=7, padding=1,
+                     rotation=90 if len(names) > 2 else 0)
     ax.set_xticks(range(len(ledgers)))
     ax.set_xticklabels([f"rank {L.rank}" for L in ledgers])
-    ax.set_ylabel(f"bytes sent ({unit})")
+    if log:
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(_bytes_label)
+        ax.set_ylim(min(1, min(nonzero) / 2), max(nonzero) * 8)   # from 1 byte; room above for the labels
+        ax.set_ylabel("bytes sent (log scale)")
+    else:
+        if nonzero:   # headroom for the labels (taller when rotated)
+            ax.set_ylim(0, max(nonzero) / scale * (1.35 if len(names) > 2 else 1.15))
+        ax.set_ylabel(f"bytes sent ({unit})")
     ax.set_title(title)
-    if names:
-        ax.legend(fontsize=8)
+    if names:   # outside the axes: inside, it covered the last rank's bars
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return ax
 
 

@@ -38,3 +38,12 @@ def test_every_formula_citation_names_a_section_of_the_sheet():
     assert not bad, "citations of sections docs/formulas.md does not have:\n" + "\n".join(bad)
     cited = sum(len(CITE.findall(p.read_text())) for p in COURSE_FILES)
     assert cited >= 10, f"only {cited} citations of the formula sheet found: is the pattern still right?"
+
+
+def test_no_merge_conflict_markers_anywhere():
+    tracked = [ROOT / p for p in __import__("subprocess").run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                                                               text=True).stdout.split()]
+    bad = [str(p.relative_to(ROOT)) for p in tracked if p.is_file() and p.suffix in (".py", ".md", ".ipynb", ".toml",
+                                                                                     ".yml", ".sh", "")
+           and re.search(r"^(<<<<<<< |>>>>>>> )", p.read_text(errors="replace"), re.M)]
+    assert not bad, f"merge conflict markers in {bad}"

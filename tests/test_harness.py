@@ -1,4 +1,5 @@
 """The two commands and what stands behind them: pins, install, JupyterLab, environment errors, dry run."""
+import json
 import os
 import re
 import socket
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _yml_pins():
     text = (ROOT / "environment.yml").read_text()
-    return {m.group(1).lower(): m.group(2) for m in re.finditer(r"^\s*-\s*([A-Za-z0-9_.\-]+)==(\S+)\s*$", text, re.M)}
+    return {m.group(1).lower(): m.group(2)
+            for m in re.finditer(r"^\s*-\s*([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==(\S+)\s*$", text, re.M)}
 
 
 def test_environment_yml_carries_the_same_pins_as_pyproject():
@@ -26,10 +28,14 @@ def test_environment_yml_carries_the_same_pins_as_pyproject():
 
 def test_every_dependency_is_pinned_exactly_and_torch_is_the_cpu_release():
     text = (ROOT / "pyproject.toml").read_text()
-    block = text[text.index("dependencies = ["):text.index("[tool.setuptools]")]
+    block = text[text.index("dependencies = ["):text.index("\n[tool.")]     # [project] and its optional extras
     reqs = re.findall(r'^\s*"([^"]+)",?\s*$', block, re.M)
-    assert reqs and all("==" in r for r in reqs), [r for r in reqs if "==" not in r]
-    assert pinned_requirements(ROOT / "pyproject.toml")["torch"] == "2.13.0"
+    assert len(reqs) >= 20 and all("==" in r for r in reqs), [r for r in reqs if "==" not in r]
+    pins = pinned_requirements(ROOT / "pyproject.toml")
+    assert len(pins) == len(reqs), "every requirement line must be read by pinned_requirements (extras included)"
+    import torch
+    assert torch.__version__.split("+")[0] == pins["torch"]
+    assert torch.version.cuda is None, f"the pin installed a CUDA build of torch ({torch.version.cuda})"
 
 
 def test_ci_runs_the_readme_test_command_and_nothing_else():
@@ -67,6 +73,24 @@ def test_notebook_guard_without_course_lib_prints_what_to_run():
     assert "make lab" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_the_course_kernel_runs_one_openmp_thread():
+    """`make test` pins OMP_NUM_THREADS=1; the kernel `make lab` registers must too, or a learner's notebook spins
+    one OpenMP thread per core and runs several times slower whenever anything else uses the CPU."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from course_lib import COURSE_KERNEL
+    spec = KernelSpecManager().get_kernel_spec(COURSE_KERNEL)
+    assert spec.env.get("OMP_NUM_THREADS") == "1", f"{spec.resource_dir}/kernel.json: env is {spec.env}"
+    assert Path(spec.argv[0]).resolve().parent == Path(sys.executable).resolve().parent, \
+        "the course kernel should run the course's .venv"
+
+
+def test_install_turns_off_jupyterlabs_news_pop_up():
+    path = Path(sys.prefix, "share", "jupyter", "lab", "settings", "overrides.json")
+    assert path.exists(), f"{path} missing: tools/install.sh writes it"
+    settings = json.loads(path.read_text())["@jupyterlab/apputils-extension:notification"]
+    assert settings["fetchNews"] == "false" and settings["checkForUpdates"] is False
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,6 +124,10 @@ def test_make_lab_serves_jupyterlab():
         assert status == 200, "JupyterLab's HTTP API did not answer"
         with urllib.request.urlopen(f"{url}/api/kernelspecs?token=course-test-token", timeout=10) as r:
             assert b"llm-systems-course" in r.read(), "the course kernel is not registered"
+        notification = "@jupyterlab/apputils-extension:notification"
+        with urllib.request.urlopen(f"{url}/lab/api/settings/{notification}?token=course-test-token", timeout=10) as r:
+            defaults = {k: v.get("default") for k, v in json.load(r)["schema"]["properties"].items()}
+        assert defaults["fetchNews"] == "false", "JupyterLab would ask about Jupyter news in a pop-up on every load"
     finally:
         os.killpg(proc.pid, 15)
         try:

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV=.venv
 KERNEL=llm-systems-course
+KERNEL_THREADS=1   # OMP_NUM_THREADS of the course kernel (measured: see the comment at the kernel install below)
 
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     echo "error: '$PYTHON' not found. Install Python 3.10 or newer, or point make at one: make PYTHON=/path/to/python3.11 lab" >&2
@@ -36,8 +37,21 @@ extra=""
 if [ -n "${TORCH_INDEX:-}" ]; then extra="--extra-index-url $TORCH_INDEX"; fi
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check $extra -e ".[lab,test]"
+# One BLAS/OpenMP thread in the course kernel, as `make test` runs. Notebook 00 on a shared 2-core machine: 577 s
+# with torch's default 2 threads vs 75 s with 1 under the same background load, 818 s vs 65 s with two more CPU
+# hogs; alone, 1 thread needs ~15 s of CPU for the whole notebook. Spinning OpenMP threads waiting for a busy core
+# cost far more than the second thread gains. (Ranks already run 1 thread each.)
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name "$KERNEL" \
-    --display-name "Python (LLM systems course)" >/dev/null
+    --display-name "Python (LLM systems course)" --env OMP_NUM_THREADS "$KERNEL_THREADS" >/dev/null
+# JupyterLab asks about "Jupyter news" in a pop-up on every load until someone answers; a class starts clean.
+"$VENV/bin/python" - <<'PY'
+import json, pathlib, sys
+path = pathlib.Path(sys.prefix, "share", "jupyter", "lab", "settings", "overrides.json")
+settings = json.loads(path.read_text()) if path.exists() else {}
+settings.setdefault("@jupyterlab/apputils-extension:notification", {}).update(fetchNews="false", checkForUpdates=False)
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(settings, indent=2) + "\n")
+PY
 "$VENV/bin/python" -c 'import course_lib; course_lib.check_environment(verbose=False)'
 echo "$want" > "$stamp"
 echo "== ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -7,10 +7,18 @@ Each lab has its own module (`course_lib.checks.lab00`, …); this package holds
         got = fn(cfg)
         c.expect(got == want, f"got {got:,}, expected {want:,}", hint="count the biases too")
         c.passed(f"{got:,} parameters")
+
+In Jupyter (any IPython shell), importing this package makes a failed check show as its ✘ line and hint only,
+without a traceback: the traceback would go through contextlib and the check's own code, which the learner did not
+write. A check cell that names an exercise function the learner has not run yet (Run All stops at the first stub)
+says which exercise cell to run instead of showing a bare NameError. A lab module names its exercises with
+`exercises({"fn_name": "Exercise 1 (what it is)"})`.
 """
 from __future__ import annotations
 
 import contextlib
+import linecache
+import re
 
 
 class CheckFailed(AssertionError):
@@ -68,4 +76,62 @@ def run_ranks(c: _Check, worker, world_size: int, *args, timeout: float = 60, ha
     return results
 
 
-__all__ = ["CheckFailed", "check", "run_ranks", "NOT_IMPLEMENTED"]
+# ------------------------------------------------------------------------------- how a failure shows in Jupyter
+_EXERCISES: dict[str, str] = {}         # function a lab exercise defines -> where it is, e.g. "Exercise 2 (…)"
+_CHECK_CALL = re.compile(r"^(?:lab\d\d\.)?check_(\w+)\(", re.M)     # a check cell calls check_x(…) at line start
+
+
+def exercises(where: dict[str, str]) -> None:
+    """Name the functions a lab's exercise cells define, so a check cell run before them can say which cell to run."""
+    _EXERCISES.update(where)
+
+
+def _cell_source(tb) -> str | None:
+    """Source of the notebook cell in whose top-level code the exception was raised, or None if it was raised
+    elsewhere (a library function, the learner's function body)."""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if code.co_name != "<module>":
+        return None
+    return "".join(linecache.getlines(code.co_filename)) or None
+
+
+def name_error_hint(error: NameError, tb) -> str | None:
+    """The ✘ line for a NameError raised by a check cell itself, or None when it is an ordinary NameError."""
+    source = _cell_source(tb)
+    check_call = _CHECK_CALL.search(source or "")
+    if check_call is None:
+        return None
+    name = getattr(error, "name", None) or (re.findall(r"'(\w+)'", str(error)) or ["?"])[0]
+    where = f" ({_EXERCISES[name]})" if name in _EXERCISES else ""
+    return (f"✘ {check_call.group(1)}: `{name}` is not defined yet — run the exercise cell that defines `{name}`"
+            f"{where} first, then this check again\n"
+            f"  hint: Run All stops at the first exercise that still raises NotImplementedError; the cells after "
+            f"it have not run")
+
+
+def _show_in_ipython(shell, etype, value, tb, tb_offset=None):
+    """IPython custom exception handler: CheckFailed → its message; NameError in a check cell → which cell to run;
+    any other NameError → IPython's usual traceback."""
+    text = str(value) if isinstance(value, CheckFailed) else name_error_hint(value, tb)
+    if text is None:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    else:   # an error output with ename and evalue as usual, and the message lines in place of the traceback
+        shell._showtraceback(etype, text, text.splitlines())
+    return None
+
+
+def _install_in_ipython() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and hasattr(shell, "set_custom_exc"):
+        shell.set_custom_exc((CheckFailed, NameError), _show_in_ipython)
+
+
+_install_in_ipython()
+
+__all__ = ["CheckFailed", "check", "run_ranks", "exercises", "name_error_hint", "NOT_IMPLEMENTED"]

@@ -3,11 +3,13 @@
     check_fit(fit_links)                    fitted α within 15 %, bandwidth within 10 % of the truth behind the data
     check_crossover(crossover_size, fit)    exact on known pairs (incl. "never crosses"), within 10 % from the fits
     check_staged_delivery(send_fn)          every byte arrives intact, odd sizes, 3 bounce slots, all bytes staged
-    check_pipelining(send_fn)               staging overlaps the wire (≥ 10 % of its time) and the send is faster
-                                            than the chunked serial send (≥ 1.05×, best of up to 3 measurements)
+    check_pipelining(send_fn)               staging overlaps the wire (serial sends: exactly 0) and the send is
+                                            faster than the chunked serial send (fastest repeat against fastest)
 
-The "given measurements" of the lab are generated here from two known links (an eager and a rendezvous protocol)
-with a few per cent of noise, so the checks can compare what the learner fits with the truth.
+The "given measurements" of the lab are synthetic: made here from two known α–β links (an eager and a rendezvous
+protocol), each time multiplied by 3 % log-normal noise, 5 draws per size, median kept — so the checks can compare
+what the learner fits with the truth. Formulas: Hockney's t = α + S·β and the crossover of two such lines; the
+pipeline time Σ_i t_i(c) + (k − 1)·max_i t_i(c) (costmodel.pipelined_time, docs/formulas.md §9).
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import math
 
 import numpy as np
 
-from ..costmodel import GB, Link
+from ..costmodel import GB, Link, Stage, pipelined_time
 from ..dist.launch import LaunchError
-from ..transports import MiB, Stage, measure_staged_send, pipelined_time, send_staged_serial
+from ..transports import MiB, measure_staged_send, send_staged_serial
 from . import check
 
 # Eager: the message is copied into a pre-registered bounce buffer and sent at once (no handshake, one extra copy).
@@ -34,7 +36,8 @@ def true_crossover(a: Link = EAGER, b: Link = RENDEZVOUS) -> float:
 
 
 def given_measurements(seed: int = 0) -> dict:
-    """{'sizes': bytes, 'eager': s, 'rendezvous': s}: medians of 5 noisy runs per size, 64 B … 4 MiB."""
+    """{'sizes': bytes, 'eager': s, 'rendezvous': s}, 64 B … 4 MiB, synthetic: EAGER.time and RENDEZVOUS.time each
+    multiplied by log-normal noise of σ = NOISE, 5 draws per size, the median kept."""
     rng = np.random.default_rng(seed)
     sizes = 64 * 2 ** np.arange(0, 17)                              # 64 B … 4 MiB
     out = {"sizes": sizes.astype(float)}
@@ -125,12 +128,18 @@ def check_staged_delivery(send_fn, timeout: float = 60.0) -> None:
 
 def check_pipelining(send_fn, nbytes: int = 32 * MiB, chunk_bytes: int = 2 * MiB, repeats: int = 5,
                      attempts: int = 3, timeout: float = 120.0) -> dict:
-    """Staging must overlap the wire, and the pipelined send must beat the chunked serial one (median of repeats).
+    """Staging must overlap the wire, and the pipelined send must beat the chunked serial one.
 
-    The overlap (fraction of the copy engine's busy time during which a sendall was running) is structural: exactly
-    0 for any serial send; a pipelined one shows 30–80 % on a quiet machine and rarely under 25 % on a loaded one,
-    so ≥ 10 % is a safe sign of concurrency. The speed-up is timing: on a shared 2-core box it is noisy, so it may
-    take up to `attempts` measurements to see ≥ 1.05× once; the model's prediction is printed beside it.
+    The overlap (fraction of the copy engine's busy time during which a sendall was running, median over repeats)
+    is structural: exactly 0 for any send that stages and sends in one thread, or waits for one before the other
+    (the intervals of one thread cannot overlap), so any overlap proves that staging ran while the wire did; a
+    pipelined sender shows 10–80 % even on a heavily loaded machine. The speed-up is timing, so it is taken fastest
+    repeat against fastest repeat: other programs only ever add time, so each variant's fastest repeat is the
+    nearest to its undisturbed time (the `timeit` convention; notebook 02 takes the best of N for the same reason).
+    The medians of the two variants can swap on a busy 2-core machine; their fastest repeats did not. A send that
+    overlaps staging with the wire must then be faster (ratio > 1); further measurements (up to `attempts` in all)
+    cover a burst of load that spans a whole one.
+    The model's prediction is printed beside the measured figure.
     """
     k = math.ceil(nbytes / chunk_bytes)
     with check("pipelining") as c:
@@ -140,29 +149,30 @@ def check_pipelining(send_fn, nbytes: int = 32 * MiB, chunk_bytes: int = 2 * MiB
                        repeats=repeats, timeout=timeout)
             c.expect(all(out["intact"].values()), "bytes arrived corrupted during the timing runs",
                      hint="run check_staged_delivery first")
-            serial, piped = (float(np.median(out["times"][n])) for n in ("serial", "pipelined"))
+            serial, piped = (min(out["times"][n]) for n in ("serial", "pipelined"))   # fastest repeat of each
             overlap = float(np.median(out["overlap"]["pipelined"]))
-            stages = [Stage("staging", "staging", Link("copy engine", 0.0, out["staging_bandwidth"])),
-                      Stage("wire", "wire", Link("wire", 0.0, nbytes / out["wire_time"]))]
+            stages = [Stage("staging", Link("copy engine", 0.0, out["staging_bandwidth"])),
+                      Stage("wire", Link("wire", 0.0, nbytes / out["wire_time"]))]
             modeled = pipelined_time(stages, nbytes, 1) / pipelined_time(stages, nbytes, k)
             tries.append({"serial": serial, "pipelined": piped, "speedup": serial / piped, "overlap": overlap,
                           "modeled_speedup": modeled})
-            if serial / piped >= 1.05 and overlap >= 0.10:
+            if serial / piped > 1 and overlap > 0:
                 break
-        best = max(tries, key=lambda t: (t["overlap"] >= 0.10, t["speedup"]))
-        c.expect(best["overlap"] >= 0.10,
-                 f"the copy engine overlapped a sendall for only {best['overlap']:.0%} of its busy time "
-                 f"(a serial send: exactly 0 %; needed ≥ 10 %)",
+        best = max(tries, key=lambda t: (t["overlap"] > 0, t["speedup"]))
+        c.expect(best["overlap"] > 0,
+                 f"the copy engine never ran while a sendall did (overlap {best['overlap']:.0%} of its busy time, "
+                 f"as for a serial send)",
                  hint="stage chunk i+1 in another thread while the main thread is inside sendall for chunk i")
-        c.expect(best["speedup"] >= 1.05,
-                 f"pipelined {best['pipelined'] * 1e3:.1f} ms vs serial {best['serial'] * 1e3:.1f} ms: speed-up "
-                 f"{best['speedup']:.2f}× in the best of {len(tries)} measurements (modeled "
-                 f"{best['modeled_speedup']:.2f}×; needed ≥ 1.05×)",
+        c.expect(best["speedup"] > 1,
+                 f"pipelined {best['pipelined'] * 1e3:.1f} ms vs serial {best['serial'] * 1e3:.1f} ms (fastest "
+                 f"repeats): speed-up {best['speedup']:.2f}× in the best of {len(tries)} measurements (modeled "
+                 f"{best['modeled_speedup']:.2f}×; needed > 1×)",
                  hint="is the machine busy (uptime)? If not: does the staging thread wait for the main thread more "
                       "than it must (a lock held across sendall, a queue of size 1)?")
-        c.passed(f"serial {best['serial'] * 1e3:.1f} ms → pipelined {best['pipelined'] * 1e3:.1f} ms: "
-                 f"{best['speedup']:.2f}× measured vs {best['modeled_speedup']:.2f}× modeled; staging overlapped the "
-                 f"wire {best['overlap']:.0%} of its time ({len(tries)} measurement(s))")
+        c.passed(f"serial {best['serial'] * 1e3:.1f} ms → pipelined {best['pipelined'] * 1e3:.1f} ms (fastest of "
+                 f"{repeats} repeats each): {best['speedup']:.2f}× measured vs {best['modeled_speedup']:.2f}× "
+                 f"modeled; staging overlapped the wire {best['overlap']:.0%} of its time ({len(tries)} "
+                 f"measurement(s))")
     return best
 
 

@@ -133,6 +133,11 @@ except OSError:
 def _die_with_parent() -> None:
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: if the caller dies, so does this rank
+    # ... unless the caller died before the line above ran (the signal is only sent on a death after it): then
+    # this process already has another parent, and nobody is left to collect its result
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
 
 
 class _PrefixedStream(io.TextIOBase):

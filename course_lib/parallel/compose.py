@@ -8,7 +8,7 @@ The order matters, innermost first (torchtitan's `parallelize` applies them the 
                               holds), so it must see the plain model
     2. pipeline split         keeps only this stage's layers
     3. recomputation          wraps the blocks that will actually run here, after TP changed their insides
-    4. precision              decides the dtype of what the remaining steps shard and communicate
+    4. precision              decides the dtype of what the remaining steps shard and communicate (`apply_precision`)
     5. data parallel / ZeRO   outermost: reduces or shards whatever parameters the model now has, over `dp`
 
 Data parallelism goes last because it is the only one that is indifferent to what a parameter is: it reduces (or
@@ -22,8 +22,11 @@ import torch.nn as nn
 
 from ..dist.comm import Communicator
 from ..dist.mesh import Mesh
+from ..memopt.precision import apply_precision  # noqa: F401  step 4 (notebook 09), re-exported for the capstone
+from ..memopt.recompute import apply_recompute  # noqa: F401  step 3 (notebook 08), re-exported for the capstone
 from . import dp as D
 from .fsdp import FSDP
+from .pipeline import apply_pipeline  # 2. pipeline split over pp (notebook 05): (stage, step_fn for train.run)
 from .zero import DEFAULT_BUCKET_CAP_BYTES, ShardedOptimizer
 
 DP_KINDS = {"naive": D.DataParallelNaive, "bucket": D.DataParallelBucket, "overlap": D.DataParallelOverlap}
@@ -120,5 +123,5 @@ def _whole(model: nn.Module) -> int:
 
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)
 
-__all__ = ["apply_dp", "apply_fsdp", "apply_zero", "apply_tp", "axis_comm", "data_parallel_batches", "train_parallel",
-           "DP_KINDS", "STAGE_NAMES"]
+__all__ = ["apply_dp", "apply_fsdp", "apply_precision", "apply_recompute", "apply_zero", "apply_tp", "apply_pipeline",
+           "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS", "STAGE_NAMES"]

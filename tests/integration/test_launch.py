@@ -1,9 +1,9 @@
 """launch(): real ranks, every rank's traceback, timeouts, nothing left behind."""
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -125,33 +125,109 @@ def test_an_unpicklable_result_is_reported(no_leaks):
         launch(_unpicklable, 2, timeout=30)
 
 
-def test_interrupting_the_caller_leaves_no_rank_behind(tmp_path):
-    script = tmp_path / "interrupted.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, sys, time
-        sys.path.insert(0, {str(ROOT)!r})
-        from course_lib.dist.launch import launch
-        def sleeper(ctx):
-            print("PID", os.getpid(), flush=True)
-            time.sleep(3600)
+_CALLER = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+if {restore_sigint!r}:
+    # A background job of a non-interactive shell (CI's `make test &`) starts with SIGINT ignored, and children
+    # inherit that: Ctrl-C / Jupyter's interrupt would do nothing. Python installs its handler only when SIGINT
+    # is not ignored at start-up, so put it back explicitly, as an interactive caller has it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+from course_lib.dist.launch import launch
+def sleeper(ctx):
+    print("PID", os.getpid(), flush=True)
+    time.sleep(3600)
+try:
+    launch(sleeper, 3, timeout=600)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+"""
+
+
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_caller(tmp_path, restore_sigint):
+    """A caller process with 3 sleeping ranks, started the way CI starts it (SIGINT ignored, inherited).
+    Returns (caller, ranks as psutil.Process)."""
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER.format(root=str(ROOT), restore_sigint=restore_sigint))
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=_ignore_sigint, start_new_session=True)
+    ranks = []
+    try:
+        while len(ranks) < 3:
+            line = caller.stdout.readline()
+            assert line, "the caller ended before its ranks started"
+            if line.startswith("PID"):
+                ranks.append(psutil.Process(int(line.split()[1])))
+    except BaseException:
+        _kill_everything(caller, ranks)
+        raise
+    return caller, ranks
+
+
+def _running(procs):
+    alive = []
+    for p in procs:
         try:
-            launch(sleeper, 3, timeout=600)
-        except KeyboardInterrupt:
-            print("INTERRUPTED", flush=True)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    pids = []
-    while len(pids) < 3:
-        line = proc.stdout.readline()
-        assert line, "the script ended before its ranks started"
-        if line.startswith("PID"):
-            pids.append(int(line.split()[1]))
-    proc.send_signal(signal.SIGINT)                          # what Jupyter's "interrupt kernel" sends
-    out, _ = proc.communicate(timeout=30)
-    assert "INTERRUPTED" in out
-    time.sleep(0.5)
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"ranks {alive} outlived the interrupted caller"
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_until_gone(procs, seconds=10.0):
+    end = time.monotonic() + seconds
+    while _running(procs) and time.monotonic() < end:
+        time.sleep(0.1)
+    return _running(procs)
+
+
+def _kill_everything(caller, ranks):
+    """Whatever the test's outcome, nothing it started may outlive it (ranks have their own process groups)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(caller.pid, signal.SIGKILL)
+    for p in ranks:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    with contextlib.suppress(Exception):
+        caller.communicate(timeout=10)
+
+
+def _wait_for_exit(caller, what):
+    try:
+        caller.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the caller was still alive 30 s after {what}")
+
+
+def test_interrupting_the_caller_leaves_no_rank_behind(tmp_path):
+    caller, ranks = _start_caller(tmp_path, restore_sigint=True)
+    try:
+        caller.send_signal(signal.SIGINT)                        # what Jupyter's "interrupt kernel" sends
+        _wait_for_exit(caller, "SIGINT")
+        alive = _wait_until_gone(ranks)
+        assert not alive, f"ranks {alive} outlived the interrupted caller"
+        assert "INTERRUPTED" in caller.stdout.read(), "the caller did not see KeyboardInterrupt"
+    finally:
+        _kill_everything(caller, ranks)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_a_caller_that_ignores_sigint_leaves_no_rank_behind(tmp_path, sig):
+    """The caller gets no chance to clean up (SIGTERM's default action, or SIGKILL): PR_SET_PDEATHSIG must."""
+    caller, ranks = _start_caller(tmp_path, restore_sigint=False)
+    try:
+        caller.send_signal(sig)
+        _wait_for_exit(caller, signal.Signals(sig).name)
+        assert caller.returncode == -sig
+        alive = _wait_until_gone(ranks)
+        assert not alive, f"ranks {alive} outlived the caller killed by {signal.Signals(sig).name}"
+    finally:
+        _kill_everything(caller, ranks)
 
 
 def test_the_same_worker_runs_under_torchrun(tmp_path):
@@ -163,22 +239,25 @@ def test_the_same_worker_runs_under_torchrun(tmp_path):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ")]
     assert len(lines) == 2, out.stdout
     assert "'sum': 3.0" in lines[0] and "'world_size': 2" in lines[1]
-    assert "'sent': 64" in lines[0]                           # 2(N−1)/N · 16 floats · 4 bytes
+    n, elements = 2, 16
+    assert f"'sent': {2 * (n - 1) * elements * 4 // n}" in lines[0]      # ring all-reduce: 2(N−1)/N · S bytes
 
 
 def test_run_module_launches_locally_too(no_leaks):
     out = subprocess.run([sys.executable, "-m", "course_lib.run", "tests/integration/_workers.py:ring_sum",
                           "--world-size", "3", "6"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("'sum': 6.0") == 3
+    assert out.stdout.count(f"'sum': {3 * 4 / 2}") == 3                    # 3 ranks, each holding 1 + 2 + 3
 
 
 def test_spawned_ranks_run_an_importable_worker(no_leaks):
     import sys
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import _workers
-    res = launch(_workers.ring_sum, 2, "4", start_method="spawn", timeout=120)
-    assert [r["sum"] for r in res] == [3.0, 3.0] and res[0]["sent"] == 16
+    n, elements = 2, 4
+    res = launch(_workers.ring_sum, n, str(elements), start_method="spawn", timeout=120)
+    assert [r["sum"] for r in res] == [n * (n + 1) / 2] * n                  # every rank holds 1 + … + N
+    assert res[0]["sent"] == 2 * (n - 1) * elements * 4 // n               # ring all-reduce: 2(N−1)/N · S bytes
 
 
 def test_spawn_refuses_a_function_defined_in_main():

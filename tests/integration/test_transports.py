@@ -7,6 +7,7 @@ import torch
 
 from course_lib import transports as T
 from course_lib.dist.launch import LaunchError
+from course_lib.transports import measure
 
 pytestmark = pytest.mark.integration
 
@@ -19,29 +20,33 @@ def _fds() -> int:
 
 def test_every_path_delivers_every_byte_intact(no_leaks):
     fds = _fds()
-    m = T.measure_transports(ODD_SIZES, verify=True, repeats=2, warmup=1, cpu_messages=2)
+    m = T.measure_transports(ODD_SIZES, verify=True, repeats=2, warmup=1, cpu_messages=2, cpu_rounds=3)
     # every message the receiver got was compared with what was sent: per repeat, size and path one untimed warm-up
-    # message and `inner` timed ones; then the CPU block
-    per_rep = sum(1 + T._inner(n) for n in ODD_SIZES)
-    assert m.verified == {p: 3 * per_rep + 2 for p in T.PATHS}
+    # message and `inner` timed ones; then 2 messages per path in each of the 3 CPU rounds
+    per_rep = sum(1 + measure._inner(n) for n in ODD_SIZES)
+    assert m.verified == {p: 3 * per_rep + 3 * 2 for p in T.PATHS}
     assert _fds() == fds
 
 
-def test_measurement_has_one_positive_median_per_size_and_cpu_for_both_sides(no_leaks):
-    m = T.measure_transports([8, 1024, 2**20], repeats=2, cpu_messages=2)
+def test_measurement_has_a_positive_time_per_repeat_and_size_and_cpu_per_round_for_both_sides(no_leaks):
+    m = T.measure_transports([8, 1024, 2**20], repeats=2, cpu_messages=2, cpu_rounds=3)
     assert m.paths == T.PATHS and list(m.sizes) == [8, 1024, 2**20]
     for p in T.PATHS:
         assert m.samples[p].shape == (2, 3) and np.all(m.samples[p] > 0)
-        assert np.allclose(m.bandwidth(p), m.sizes / m.latency(p))
-        assert set(m.cpu[p]) == {"sender", "receiver"}
-        assert all(v >= 0 for side in m.cpu[p].values() for v in side.values())
-    assert m.cpu_bytes == 2 * 2**20
-    assert m.cpu["memcpy"]["receiver"]["user"] + m.cpu["memcpy"]["receiver"]["sys"] < 0.05   # it has nothing to do
+        assert set(m.cpu[p]) == {"sender", "receiver"} and m.cpu_wall[p].shape == (3,)
+        for side in m.cpu[p].values():
+            assert side["user"].shape == side["sys"].shape == (3,)
+            assert np.all(side["user"] >= 0) and np.all(side["sys"] >= 0)
+    assert m.cpu_bytes == 2 * 2**20                    # per path and round: cpu_messages × the largest size
+    # the memcpy "receiver" runs no code at all in its blocks: its CPU is the loop around them, far below a copy
+    assert m.cpu_per_gb("memcpy", "receiver") < 0.5 * m.cpu_per_gb("memcpy", "sender")
 
 
 def test_a_subset_of_paths_runs_alone(no_leaks):
-    m = T.measure_transports([64, 4096], paths=["shm_write"], verify=True, repeats=1, warmup=0, cpu_messages=1)
-    assert m.paths == ("shm_write",) and m.verified["shm_write"] == 2 + T._inner(64) + T._inner(4096) + 1
+    m = T.measure_transports([64, 4096], paths=["shm_write"], verify=True, repeats=1, warmup=0, cpu_messages=1,
+                             cpu_rounds=2)
+    assert m.paths == ("shm_write",)
+    assert m.verified["shm_write"] == 2 + measure._inner(64) + measure._inner(4096) + 2
 
 
 def test_a_failing_receiver_raises_and_leaves_no_process_port_or_fd(no_leaks):
@@ -59,7 +64,7 @@ def test_a_hung_receiver_times_out_and_leaves_no_process_port_or_fd(no_leaks):
 
 
 @pytest.mark.parametrize("bad", [dict(paths=["carrier pigeon"]), dict(sizes=[0, 8]), dict(repeats=0),
-                                 dict(fault="explode")])
+                                 dict(cpu_rounds=0), dict(fault="explode")])
 def test_bad_arguments_say_what_is_wrong_before_starting_anything(bad, no_leaks):
     kwargs = dict(sizes=[8], repeats=1)
     kwargs.update(bad)

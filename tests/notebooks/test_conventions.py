@@ -1,4 +1,5 @@
 """Every notebook follows the course's conventions (CONTRIBUTING.md)."""
+import ast
 import re
 import sys
 
@@ -53,6 +54,27 @@ def test_exactly_one_parameters_cell_with_every_knob(path):
 
 
 @lectures_and_solutions
+def test_the_parameters_cell_computes_nothing_from_other_knobs(path):
+    """papermill (and tools/run_all.py -p) set knobs in a cell injected *after* the parameters cell, so a value the
+    parameters cell computes from a knob (`STEPS = 60 if QUICK else 400`) keeps the default's value: QUICK=False
+    would be silently ignored."""
+    source = parameters_cells(read(path))[0].source
+    knobs = assigned_names(source)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            value, targets = node.value, [t.id for t in node.targets if isinstance(t, ast.Name)]
+        else:
+            value, targets = node, []
+        reads = sorted({n.id for n in ast.walk(value) if isinstance(n, ast.Name) and n.id in knobs})
+        name = targets[0] if targets else "…"
+        assert not reads, (
+            f"{rel(path)}: the parameters cell computes {name} from {', '.join(reads)} (line {node.lineno}). "
+            f"papermill sets knobs in a cell after this one, so {name} would ignore e.g. QUICK = False. Keep a "
+            f"plain default here, e.g. `{name} = None  # None: … when QUICK, … otherwise`, and derive it in the "
+            f"first cell after the environment guard: `{name} = {name} or (… if QUICK else …)`.")
+
+
+@lectures_and_solutions
 def test_guards_the_environment_before_using_the_library(path):
     code = [c for c in read(path).cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
     assert "import course_lib" in code[0].source and "check_environment()" in code[0].source \
@@ -61,7 +83,8 @@ def test_guards_the_environment_before_using_the_library(path):
 
 @lectures_and_solutions
 def test_uses_the_course_kernel(path):
-    assert read(path).metadata["kernelspec"]["name"] == "llm-systems-course"
+    from course_lib import COURSE_KERNEL
+    assert read(path).metadata["kernelspec"]["name"] == COURSE_KERNEL, f"{rel(path)}: pick the course kernel"
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=rel)

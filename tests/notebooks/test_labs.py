@@ -72,6 +72,11 @@ def _errors(cell):
     return [o for o in cell.get("outputs", []) if o.output_type == "error"]
 
 
+def _shown(error) -> list:
+    """The lines Jupyter shows for an error output (its traceback, ANSI colours removed)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error.traceback)).strip().splitlines()
+
+
 @pytest.mark.notebooks
 @pytest.mark.parametrize("path", LABS, ids=rel)
 def test_every_check_fails_on_the_unmodified_lab_with_a_readable_message(path):
@@ -83,10 +88,57 @@ def test_every_check_fails_on_the_unmodified_lab_with_a_readable_message(path):
         assert errs, f"{rel(path)} cell {i}: the check passed on the unmodified lab — a check that cannot fail"
         assert errs[0].ename == "CheckFailed", f"{rel(path)} cell {i}: failed with {errs[0].ename}, not CheckFailed"
         assert errs[0].evalue.startswith("✘ "), f"{rel(path)} cell {i}: message should start with '✘ name:'"
+        shown = _shown(errs[0])
+        assert shown and shown[0].startswith("✘ ") and len(shown) <= 3, \
+            f"{rel(path)} cell {i}: a failed check must show its ✘ line and hint only, not a traceback:\n" \
+            + "\n".join(shown)
     others = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and i not in checks and _errors(c)]
     for i in others:   # before the checks only the stubs may raise
         assert _errors(nb.cells[i])[0].ename == "NotImplementedError", \
             f"{rel(path)} cell {i} raised {_errors(nb.cells[i])[0].ename} in the unmodified lab"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=rel)
+def test_exercises_a_check_module_names_are_defined_by_its_lab(path):
+    import importlib
+    module = importlib.import_module(f"course_lib.checks.{path.name[:5]}")
+    source = "\n".join(c.source for c in read(path).cells if c.cell_type == "code")
+    for name, where in getattr(module, "EXERCISES", {}).items():
+        assert re.search(rf"^def {name}\(", source, re.M), f"{module.__name__}.EXERCISES names {name} ({where}), " \
+            f"but {rel(path)} defines no such function"
+        assert where.split(",")[0] in "\n".join(c.source for c in read(path).cells), \
+            f"{module.__name__}.EXERCISES says {name} is in '{where}', which {rel(path)} does not mention"
+
+
+@pytest.mark.notebooks
+def test_a_check_run_before_its_exercise_cell_says_which_cell_to_run():
+    """Run All stops at the first stub; a learner who then runs the check cells must not get a bare NameError."""
+    path = ROOT / "labs" / "lab00_warmup.ipynb"
+    nb = read(path)
+    checks = _check_cells(nb)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+    with client.setup_kernel():
+        for i, cell in enumerate(nb.cells):              # Run All: up to and including the first failing cell
+            if cell.cell_type == "code":
+                client.execute_cell(cell, i)
+                if _errors(cell):
+                    first_stub = i
+                    break
+        for i in checks:                                 # then the learner runs the checks
+            client.execute_cell(nb.cells[i], i)
+        nb.cells.append(nbformat.v4.new_code_cell("print(a_typo)"))    # not a check cell: the usual traceback
+        client.execute_cell(nb.cells[-1], len(nb.cells) - 1)
+    assert _errors(nb.cells[first_stub])[0].ename == "NotImplementedError"
+    not_run = [i for i in checks if _errors(nb.cells[i])[0].ename == "NameError"]
+    assert len(not_run) == 2, "checks of exercises 2 and 3 should meet names that were never defined"
+    for i in not_run:
+        shown = _shown(_errors(nb.cells[i])[0])
+        assert len(shown) <= 3 and shown[0].startswith("✘ "), "\n".join(shown)
+        assert "run the exercise cell that defines" in shown[0] and "Exercise " in shown[0], shown[0]
+    ordinary = _errors(nb.cells[-1])[0]
+    assert ordinary.ename == "NameError" and ordinary.evalue == "name 'a_typo' is not defined"
+    assert any("print(a_typo)" in line for line in _shown(ordinary)), "an ordinary NameError keeps its traceback"
 
 
 @pytest.mark.notebooks

@@ -1,6 +1,10 @@
-"""Notebooks that launch ranks also pass under papermill with another WORLD_SIZE than their default.
+"""Every lecture and solution passes under papermill with knobs a learner would change (README: SEED, WORLD_SIZE).
 
-One test class per notebook, so `--dist loadscope` spreads them over the workers.
+Each notebook runs once with another SEED and, if it launches ranks, another WORLD_SIZE in the same run; a notebook
+adds combinations in its metadata, e.g. `"course": {"matrix": [{"SEED": 7, "WORLD_SIZE": 3}]}`. Notebook 00 is also
+run with WORLD_SIZE = 0, which must fail at once with the allowed range.
+
+One test class per notebook, so `--dist loadscope` spreads the notebooks over the workers.
 """
 import ast
 
@@ -9,26 +13,63 @@ import pytest
 from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, parameters_cells, read, rel
 
 
-def _default_world_size(path):
+def _defaults(path) -> dict:
+    """The literal knobs of the parameters cell."""
+    knobs = {}
     for node in ast.parse(parameters_cells(read(path))[0].source).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "WORLD_SIZE":
-            return ast.literal_eval(node.value)
-    return None
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                knobs[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return knobs
 
 
-def _make_test(path):
+def matrix(path) -> list:
+    """The knob combinations papermill runs `path` with."""
+    defaults = _defaults(path)
+    first = {"SEED": 3 if defaults.get("SEED") != 3 else 4}
+    if "WORLD_SIZE" in defaults:
+        first["WORLD_SIZE"] = 3 if defaults["WORLD_SIZE"] != 3 else 2
+    return [first] + list(read(path).metadata.get("course", {}).get("matrix", []))
+
+
+def _execute(path, tmp_path, parameters):
+    import papermill as pm
+    return pm.execute_notebook(str(path), str(tmp_path / path.name), parameters=parameters, kernel_name="python3",
+                               progress_bar=False, execution_timeout=300, cwd=str(path.parent))
+
+
+def _ids(params: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items())
+
+
+def _make_class(path):
+    combos = matrix(path)
+
     @pytest.mark.notebooks
-    def test_runs_with_another_world_size(self, tmp_path):
-        import papermill as pm
-        default = _default_world_size(path)
-        other = 3 if default != 3 else 2
-        pm.execute_notebook(str(path), str(tmp_path / path.name), parameters={"WORLD_SIZE": other},
-                            kernel_name="python3", progress_bar=False, execution_timeout=300, cwd=str(path.parent))
-    return test_runs_with_another_world_size
+    @pytest.mark.parametrize("parameters", combos, ids=[_ids(c) for c in combos])
+    def test_runs_with(self, parameters, tmp_path):
+        unknown = set(parameters) - set(_defaults(path))
+        assert not unknown, f"{rel(path)}: course.matrix sets {sorted(unknown)}, which its parameters cell lacks"
+        _execute(path, tmp_path, parameters)
+
+    return type("TestPapermill_" + path.parent.name + "_" + path.stem, (),
+                {"test_runs_with": test_runs_with, "__doc__": f"{rel(path)} under papermill with other knobs"})
 
 
 for _path in NOTEBOOKS + SOLUTIONS:
-    if _default_world_size(_path) is not None:
-        _name = "TestPapermill_" + _path.parent.name + "_" + _path.stem
-        globals()[_name] = type(_name, (), {"test_runs_with_another_world_size": _make_test(_path),
-                                            "__doc__": f"{rel(_path)} with another WORLD_SIZE"})
+    _cls = _make_class(_path)
+    globals()[_cls.__name__] = _cls
+
+
+@pytest.mark.notebooks
+def test_notebook_00_refuses_world_size_0_before_training_with_the_allowed_range(tmp_path):
+    from papermill.exceptions import PapermillExecutionError
+    path = ROOT / "notebooks" / "00_orientation.ipynb"
+    with pytest.raises(PapermillExecutionError) as err:
+        _execute(path, tmp_path, {"WORLD_SIZE": 0})
+    assert "WORLD_SIZE = 0" in err.value.evalue and "pick 2 to 8" in err.value.evalue, err.value.evalue
+    executed = read(tmp_path / path.name).cells            # with papermill's injected cell
+    assert not any("train_reference(" in c.source or "launch(" in c.source
+                   for c in executed[:err.value.cell_index + 1]), "WORLD_SIZE = 0 must be refused before training"

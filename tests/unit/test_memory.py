@@ -8,6 +8,7 @@ import torch
 from course_lib.memory import (CATEGORIES, MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError,
                                alloc_category, carry_tracking, fmt_bytes, parse_bytes, placed, register_category,
                                saved_tensors_hooks_over)
+from course_lib.data import ShardedBatches
 from course_lib.model import GPT, activation_bytes, block_activation_bytes, get_config
 from course_lib.train import TrainConfig, make_optimizer, profile_training_memory
 
@@ -273,3 +274,20 @@ def test_activation_formula_holds_in_other_dtypes(dtype):
         _, loss = m(x, y)
         assert mem.current["activations"] == activation_bytes(cfg, 2, 32, elem_bytes=e)
         del loss
+
+
+def test_a_graph_dropped_without_backward_frees_its_activations():
+    m = GPT("nano")
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    with MemoryTracker().watch(m) as mem:
+        logits, loss = m(x, y)
+        assert mem.current["activations"] > 0
+        del logits, loss                           # no backward: autograd lets go of everything it saved
+        # what is left is the model's buffers and the token ids, which the test still holds
+        assert mem.current["activations"] == 0
+        assert mem.current["other"] == sum(b.numel() * b.element_size() for b in m.buffers()) + 8 * (x.numel() + y.numel())
+
+
+def test_batch_of_one_gives_two_separate_tensors():
+    x, y = ShardedBatches(16, 1).get(0)
+    assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() and torch.equal(x[0, 1:], y[0, :-1])

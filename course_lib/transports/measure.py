@@ -1,0 +1,434 @@
+"""Measured: how bytes move between two real processes on this machine, and what each copy and kernel crossing costs.
+
+Four paths with fewer and fewer copies, timed and CPU-accounted by `measure_transports`:
+
+    path           sender                                   receiver                                CPU copies
+    tcp_naive      tobytes() copy, sendall → kernel buffer  recv() chunks (kernel → user), join      4
+    tcp_zerocopy   sendall(memoryview) → kernel buffer      recv_into a preallocated buffer          2
+    shm_write      one-sided write into a buffer mapped     nothing on the data path: wakes on the   1
+                   by both sides before the run, doorbell   doorbell (a pipe) and acknowledges
+    memcpy         dst.copy_(src) inside one process: the ceiling of any path on this machine       1
+
+`shm_write` is the RDMA analogue: the buffer is "registered" (mapped into both processes) once, before any message,
+and the data path is one store into it with no system call; only the 1-byte doorbell and the ack cross the kernel.
+Here the sender's CPU plays the NIC's DMA engine, so its copy costs CPU time that real RDMA hardware would not.
+
+Method, per message size: one-way + ack. The sender starts a clock, pushes the message, and stops when the
+receiver's 1-byte acknowledgement arrives (the receiver acks only once it holds every byte). This is the time until
+the sender *knows* the data is delivered, which is also what an RDMA write's completion means (the reliable-
+connection transport completes a write when the remote NIC's ACK returns). Small messages are sent `inner` times in a
+row (at least 3, at most 16; each timed, their median kept); each size is measured `repeats` times, the paths
+interleaved at every size so that bursts of load from other programs hit every path alike, and the median is
+reported; ratios between paths are taken pairwise (`time_ratio`, `speedup`).
+
+CPU involvement: `getrusage` user and system seconds on each side around a block of large messages, per GB moved.
+The total is the scheduler's own run time (exact to the µs); the user/system split is sampled on timer ticks, so it is
+approximate. CPU seconds per byte are not a constant of a path: other programs move them (shared caches and memory
+bandwidth, how the two ranks and everything else share the cores). So the blocks come in rounds, one block per path
+per round, the order reversed every round, and paths are compared round by round (`cpu_rounds`): a paired ratio
+compares two blocks that ran next to each other, and its median over rounds ignores a round that load disturbed.
+
+Checked against Hockney's α–β model (Parallel Computing 20(3), 1994; docs/formulas.md §9), fitted per path:
+
+    t(S) = α + S·β,   n½ = α/β  (the size at which half the time is latency: bandwidth dominates above it)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import resource
+import select
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..costmodel import GB, Link, fit_alpha_beta
+
+KiB, MiB = 2**10, 2**20
+PATHS = ("tcp_naive", "tcp_zerocopy", "shm_write", "memcpy")
+DEFAULT_TIMEOUT = 120.0
+_RECV_CHUNK = 64 * KiB       # what a naive receiver asks recv() for, the classic idiom
+_INNER_BYTES = 256 * KiB     # a size is sent this many bytes' worth of times per repeat (3 to 16 messages)
+_CPU_BLOCK_BYTES = 32 * MiB  # bytes per path per round of the CPU measurement
+
+
+@dataclass(frozen=True)
+class MeasuredPath:
+    """What one measured path does to the bytes (the copy count is the lesson: fewer copies, more bandwidth)."""
+    name: str
+    copies: int                  # CPU copies of the payload between the sender's buffer and the receiver's
+    kernel_on_data_path: bool    # does the payload pass through the kernel (system calls copy it)?
+    how: str
+
+
+MEASURED_PATHS = {
+    "tcp_naive": MeasuredPath("tcp_naive", 4, True,
+                              "tobytes() copy → kernel (sendall) → kernel → user (recv) → join"),
+    "tcp_zerocopy": MeasuredPath("tcp_zerocopy", 2, True, "user → kernel (sendall(memoryview)) → recv_into user"),
+    "shm_write": MeasuredPath("shm_write", 1, False, "one store into the shared, pre-mapped buffer; doorbell + ack"),
+    "memcpy": MeasuredPath("memcpy", 1, False, "dst.copy_(src) in one process: no second party, no signal"),
+}
+
+
+def message_sizes(max_bytes: int = 16 * MiB, min_bytes: int = 8, factor: int = 2) -> list[int]:
+    """Geometric message sizes min_bytes, min_bytes·factor, … ≤ max_bytes (max_bytes always included)."""
+    if not (1 <= min_bytes <= max_bytes) or factor < 2:
+        raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}")
+    sizes = []
+    n = min_bytes
+    while n < max_bytes:
+        sizes.append(n)
+        n *= factor
+    return sizes + [max_bytes]
+
+
+def _inner(nbytes: int) -> int:
+    return max(3, min(16, _INNER_BYTES // nbytes))
+
+
+def pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
+    """Deterministic uint8 payload, cheap to make on both sides: a random block of prime length, tiled."""
+    g = torch.Generator().manual_seed(seed)
+    block = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g)
+    return block.repeat(nbytes // block.numel() + 1)[:nbytes].clone()
+
+
+# ------------------------------------------------------------------------------------------------ measured result
+@dataclass
+class TransportMeasurement:
+    """What `measure_transports` returns. Times are seconds per message (one-way + ack), medians over repeats; CPU
+    seconds come in rounds, one block of `cpu_bytes` per path per round, so that paths can be compared round by
+    round (paired) as well as in total."""
+    sizes: np.ndarray                     # (n_sizes,) bytes
+    paths: tuple
+    samples: dict                         # path -> (repeats, n_sizes) seconds per message
+    cpu: dict                             # path -> {"sender"|"receiver": {"user": (rounds,) s, "sys": (rounds,) s}}
+    cpu_bytes: int                        # bytes moved per path per round
+    cpu_wall: dict                        # path -> (rounds,) wall seconds of each block
+    verified: dict = field(default_factory=dict)   # path -> messages whose bytes the receiver compared, all equal
+    method: str = ("one-way + 1-byte ack; median over repeats; CPU from getrusage in rounds of one block per path, "
+                   "the order reversed every round")
+
+    def latency(self, path: str) -> np.ndarray:
+        """Median seconds per message, per size."""
+        return np.median(self.samples[path], axis=0)
+
+    def bandwidth(self, path: str) -> np.ndarray:
+        """Bytes per second per size (size / median time)."""
+        return self.sizes / self.latency(path)
+
+    def large_bandwidth(self, path: str, top: int = 3) -> float:
+        """Median bandwidth over the `top` largest sizes (bytes/s)."""
+        return float(np.median(self.bandwidth(path)[-top:]))
+
+    def time_ratio(self, a: str, b: str, at=slice(None)) -> float:
+        """Median over repeats (and the sizes `at` picks: an index or a slice) of the paired ratio t_a / t_b.
+        Paired: at each size and repeat the paths were measured back to back, so load from other programs hits
+        both alike, and one preempted measurement cannot move a median."""
+        return float(np.median(self.samples[a][:, at] / self.samples[b][:, at]))
+
+    def speedup(self, faster: str, slower: str, top: int = 3) -> float:
+        """How many times the bandwidth of `slower` `faster` gets at the `top` largest sizes (paired, `time_ratio`)."""
+        return self.time_ratio(slower, faster, slice(-top, None))
+
+    def fit(self, path: str) -> Link:
+        """α–β fit of this path's medians (costmodel.fit_alpha_beta, relative weights); a Link of kind 'fitted'."""
+        return fit_alpha_beta(self.sizes, self.latency(path), name=path)
+
+    def cpu_rounds(self, path: str, side: str = "both", kind: str = "total") -> np.ndarray:
+        """CPU seconds per GB (10⁹ bytes) moved in each round, on one side ('sender', 'receiver') or 'both' added;
+        kind is 'user', 'sys' or 'total'."""
+        if side == "both":
+            return self.cpu_rounds(path, "sender", kind) + self.cpu_rounds(path, "receiver", kind)
+        c = self.cpu[path][side]
+        s = np.asarray(c["user"]) + np.asarray(c["sys"]) if kind == "total" else np.asarray(c[kind])
+        return s / (self.cpu_bytes / GB)
+
+    def cpu_per_gb(self, path: str, side: str = "both", kind: str = "total") -> float:
+        """CPU seconds per GB moved over all rounds (the mean of `cpu_rounds`: every round moves the same bytes)."""
+        return float(np.mean(self.cpu_rounds(path, side, kind)))
+
+
+# ------------------------------------------------------------------------------------------------ the connection
+def _tcp_socket(buffer_option: int, size: int | None) -> socket.socket:
+    """A TCP socket whose send or receive buffer (`buffer_option`) is fixed to `size` bytes; None leaves the kernel's
+    autotuning. Set before listen/connect, because the window is agreed in the handshake."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if size:
+        sock.setsockopt(socket.SOL_SOCKET, buffer_option, int(size))
+    return sock
+
+
+def loopback_listener(rcvbuf: int | None = None) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 at a free port. Made in the parent before the ranks fork, so both inherit
+    it; the parent closes it whatever happens. `rcvbuf` fixes the receive buffer of the connection it will accept."""
+    listener = _tcp_socket(socket.SO_RCVBUF, rcvbuf)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def connect_ranks(listener: socket.socket, rank: int, timeout: float, sndbuf: int | None = None) -> socket.socket:
+    """The one connection between rank 0 (connects; the sender) and rank 1 (accepts; the receiver), each closing
+    its inherited copy of the listener. Every blocking call gets `timeout`, so a dead peer is an exception, never a
+    hang; TCP_NODELAY, so small messages and 1-byte acks leave at once instead of waiting for Nagle's timer.
+    `sndbuf` fixes the sender's buffer, as the listener's `rcvbuf` fixes the receiver's."""
+    if rank == 0:
+        addr = listener.getsockname()
+        listener.close()
+        sock = _tcp_socket(socket.SO_SNDBUF, sndbuf)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(addr)
+        except OSError:
+            sock.close()
+            raise
+    else:
+        listener.settimeout(timeout)
+        sock, _ = listener.accept()
+        listener.close()
+        sock.settimeout(timeout)     # an accepted socket does not inherit the listener's timeout
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+# ------------------------------------------------------------------------------------------------ the data paths
+# Each path is a pair of functions: what the sender does for one message, what the receiver does. Every wait has a
+# timeout (sockets: settimeout; pipes: select), so a dead peer turns into an exception, never a hang.
+def _read_exact_fd(fd: int, n: int, timeout: float) -> bytes:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"no signal on the pipe within {timeout:g} s (is the other side alive?)")
+    b = os.read(fd, n)
+    if not b:
+        raise ConnectionError("the other side closed the pipe")
+    return b
+
+
+def recv_ack(sock: socket.socket) -> None:
+    if not sock.recv(1):
+        raise ConnectionError("the receiver closed the connection before acknowledging")
+
+
+def send_tcp_naive(sock, src_np: np.ndarray, n: int) -> None:
+    """Naive: copy the payload into a new bytes object, then the kernel copies it again into its socket buffer."""
+    sock.sendall(src_np[:n].tobytes())          # copy 1 (tobytes), copy 2 (user → kernel, inside sendall)
+    recv_ack(sock)
+
+
+def recv_tcp_naive(sock, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        c = sock.recv(min(_RECV_CHUNK, n - got))  # copy 3: kernel → a fresh bytes object per call
+        if not c:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        chunks.append(c)
+        got += len(c)
+    data = b"".join(chunks)                     # copy 4: the chunks into one buffer the application can use
+    sock.sendall(b"k")
+    return data
+
+
+def send_tcp_zerocopy(sock, src_mv: memoryview, n: int) -> None:
+    """sendall(memoryview): no user-space copy; the kernel still copies user → socket buffer (copy 1)."""
+    sock.sendall(src_mv[:n])
+    recv_ack(sock)
+
+
+def recv_tcp_zerocopy(sock, dst_mv: memoryview, n: int) -> None:
+    got = 0
+    while got < n:
+        r = sock.recv_into(dst_mv[got:n], n - got)   # copy 2: kernel → the preallocated destination
+        if r == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += r
+    sock.sendall(b"k")
+
+
+def send_shm_write(shared: torch.Tensor, src: torch.Tensor, n: int, doorbell_w: int, ack_r: int,
+                   timeout: float) -> None:
+    """One-sided write: store straight into the receiver's pre-mapped buffer (copy 1, no system call), then ring."""
+    shared[:n].copy_(src[:n])
+    os.write(doorbell_w, b"d")                  # control path only: 1 byte, like posting a completion
+    _read_exact_fd(ack_r, 1, timeout)
+
+
+def recv_shm_write(doorbell_r: int, ack_w: int, timeout: float) -> None:
+    _read_exact_fd(doorbell_r, 1, timeout)      # the receiver's CPU never touches the payload to receive it
+    os.write(ack_w, b"k")
+
+
+def memcpy_once(dst: torch.Tensor, src: torch.Tensor, n: int) -> None:
+    dst[:n].copy_(src[:n])
+
+
+def _rusage() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, cpu_rounds, verify, seed,
+                      timeout, fault):
+    """Rank 0 sends and times, rank 1 receives. Both walk the same deterministic plan, so no control messages."""
+    listener, shared, (doorbell_r, doorbell_w), (ack_r, ack_w) = res
+    sender = ctx.rank == 0
+    max_n = max(max(sizes), cpu_bytes)
+    # Close the pipe ends this side never uses, so a dead peer shows as EOF rather than silence.
+    for fd in ((doorbell_r, ack_w) if sender else (doorbell_w, ack_r)):
+        os.close(fd)
+    sock = connect_ranks(listener, ctx.rank, timeout)
+    src = pattern(max_n, seed)
+    src_np, src_mv = src.numpy(), memoryview(src.numpy())
+    dst = torch.zeros(max_n, dtype=torch.uint8)                   # touched now, so no page faults when timed
+    dst_mv = memoryview(dst.numpy())
+    verified = {p: 0 for p in paths}
+
+    def check(path, got: torch.Tensor, n: int):
+        """Compare with what was sent, then wipe a reused buffer, so stale bytes cannot pass the next check."""
+        if not torch.equal(got, src[:n]):
+            bad = int((got != src[:n]).nonzero()[0])
+            raise AssertionError(f"{path}: message of {n} bytes arrived corrupted (first bad byte at {bad})")
+        verified[path] += 1
+        if path != "tcp_naive":                  # the naive receiver gets a fresh buffer per message
+            got.zero_()
+
+    def one(path: str, n: int):
+        if sender:
+            if path == "tcp_naive":
+                send_tcp_naive(sock, src_np, n)
+            elif path == "tcp_zerocopy":
+                send_tcp_zerocopy(sock, src_mv, n)
+            elif path == "shm_write":
+                send_shm_write(shared, src, n, doorbell_w, ack_r, timeout)
+            elif path == "memcpy":
+                memcpy_once(dst, src, n)
+                if verify:
+                    check(path, dst[:n], n)
+            return
+        if path == "tcp_naive":
+            data = recv_tcp_naive(sock, n)
+            if verify:
+                check(path, torch.frombuffer(bytearray(data), dtype=torch.uint8), n)
+        elif path == "tcp_zerocopy":
+            recv_tcp_zerocopy(sock, dst_mv, n)
+            if verify:
+                check(path, dst[:n], n)
+        elif path == "shm_write":
+            if verify:                       # check before the ack: the sender may overwrite right after it
+                _read_exact_fd(doorbell_r, 1, timeout)
+                check(path, shared[:n], n)
+                os.write(ack_w, b"k")
+            else:
+                recv_shm_write(doorbell_r, ack_w, timeout)
+        if fault == "raise":
+            raise RuntimeError("injected fault: the receiver failed after its first message")
+        if fault == "hang":
+            time.sleep(10 * timeout)
+
+    try:
+        samples = {p: np.zeros((repeats, len(sizes))) for p in paths}
+        # Paths interleaved at every size: the measurements compared with each other are milliseconds apart, so a
+        # burst of load from another program (CPU or memory bandwidth) hits both sides of a ratio alike.
+        for rep in range(warmup + repeats):
+            for i, n in enumerate(sizes):
+                for path in paths:
+                    one(path, sizes[0])     # untimed: wake the peer and warm this path after the previous one
+                    dts = []
+                    for _ in range(_inner(n)):
+                        t0 = time.perf_counter()
+                        one(path, n)
+                        dts.append(time.perf_counter() - t0)
+                    if rep >= warmup:   # median of the inner messages: a preemption by another process is not α
+                        samples[path][rep - warmup, i] = float(np.median(dts))
+        # CPU in rounds, one block per path per round, the order reversed every round: the blocks compared with
+        # each other are adjacent in time, so load from other programs (which moves CPU seconds per byte through
+        # caches, memory bandwidth and how the two ranks interleave) hits both sides of a paired ratio alike.
+        cpu = {p: np.zeros((cpu_rounds, 2)) for p in paths}          # (user, sys) seconds per round
+        cpu_wall = {p: np.zeros(cpu_rounds) for p in paths}
+        for r in range(cpu_rounds):
+            for path in (paths if r % 2 == 0 else paths[::-1]):
+                u0, s0 = _rusage()
+                t0 = time.perf_counter()
+                for _ in range(cpu_messages):
+                    one(path, cpu_bytes)
+                cpu_wall[path][r] = time.perf_counter() - t0
+                u1, s1 = _rusage()
+                cpu[path][r] = (u1 - u0, s1 - s0)
+    finally:
+        sock.close()
+    if sender:
+        return {"samples": samples, "cpu": cpu, "cpu_wall": cpu_wall, "verified": verified}
+    return {"cpu": cpu, "verified": verified}
+
+
+def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int = 1, cpu_bytes: int | None = None,
+                       cpu_messages: int | None = None, cpu_rounds: int = 9, verify: bool = False, seed: int = 0,
+                       timeout: float = DEFAULT_TIMEOUT, fault: str | None = None) -> TransportMeasurement:
+    """Measure every path between two real processes (ranks of `course_lib.dist.launch.launch`); see the module
+    docstring.
+
+    sizes: message sizes in bytes (default `message_sizes()`, 8 B … 16 MiB). CPU time is measured in `cpu_rounds`
+    rounds of one block per path, a block being `cpu_messages` messages of `cpu_bytes` (default: the largest size,
+    as many as make 32 MiB); the rounds give paired ratios between paths (`TransportMeasurement.cpu_rounds`).
+    verify=True makes the receiver compare
+    every message with the expected bytes (slower; timings then mean nothing). `fault` ('raise' or 'hang' in the
+    receiver after its first message) exists for the tests that prove nothing is left behind when a rank fails.
+
+    The listening socket, the shared buffer and the pipes are made here, before the ranks fork, so the ranks inherit
+    them (the shared buffer is "registered" before any message, like RDMA memory registration) and this function
+    closes them whatever happens; `launch` kills both ranks on error or timeout.
+    """
+    from ..dist.launch import launch
+
+    sizes = [int(s) for s in (sizes if sizes is not None else message_sizes())]
+    paths = tuple(paths)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"unknown path(s) {unknown}; choose from {PATHS}")
+    if not sizes or min(sizes) < 1:
+        raise ValueError("sizes must be positive byte counts")
+    cpu_bytes = int(cpu_bytes or max(sizes))
+    cpu_messages = int(cpu_messages or math.ceil(_CPU_BLOCK_BYTES / cpu_bytes))
+    if repeats < 1 or warmup < 0 or cpu_messages < 1 or cpu_bytes < 1 or cpu_rounds < 1:
+        raise ValueError("repeats >= 1, warmup >= 0, cpu_messages >= 1, cpu_bytes >= 1, cpu_rounds >= 1")
+    if fault not in (None, "raise", "hang"):
+        raise ValueError("fault must be None, 'raise' or 'hang'")
+    listener = loopback_listener()
+    pipes: list[int] = []
+    buf = None
+    shared = None
+    try:
+        # MAP_SHARED | MAP_ANONYMOUS: one physical buffer both forked ranks see; nothing to unlink afterwards.
+        buf = mmap.mmap(-1, max(max(sizes), cpu_bytes))
+        shared = torch.frombuffer(buf, dtype=torch.uint8)
+        shared.zero_()                                   # fault the pages in now, not inside a timed write
+        doorbell, ack = os.pipe(), os.pipe()
+        pipes = [*doorbell, *ack]
+        res = (listener, shared, doorbell, ack)
+        out = launch(_transport_worker, 2, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages,
+                     int(cpu_rounds), verify, seed, timeout, fault, timeout=timeout)
+    finally:
+        listener.close()
+        for fd in pipes:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        del shared
+        if buf is not None:
+            with contextlib.suppress(BufferError):
+                buf.close()
+    snd, rcv = out
+    verified = {p: (snd if p == "memcpy" else rcv)["verified"][p] for p in paths}   # who compared the bytes
+    cpu = {p: {side: {"user": out[rank]["cpu"][p][:, 0], "sys": out[rank]["cpu"][p][:, 1]}
+               for rank, side in enumerate(("sender", "receiver"))} for p in paths}
+    return TransportMeasurement(np.array(sizes, dtype=float), paths, snd["samples"], cpu, cpu_bytes * cpu_messages,
+                                snd["cpu_wall"], verified)
+

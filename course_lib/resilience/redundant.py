@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import re
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..dist.comm import Communicator
+from ..dist.comm import Communicator, Ledger
 from ..memory import now
 from ..model import GPT, get_config
 from ..parallel.pipeline.executor import Pipeline, plan_pipeline
@@ -81,7 +82,7 @@ class _Handle:
         try:
             self.handle.wait()
         except RuntimeError as e:         # gloo: "Connection closed by peer", "Connection reset by peer", …
-            raise PeerLost(self.peer, str(e).splitlines()[0].split(". ")[0]) from e
+            raise PeerLost(self.peer, re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0]) from e
 
 
 class Watched:
@@ -123,8 +124,8 @@ class Membership:
     def commit(self, step: int) -> bool:
         """Count in under `step`; True once everyone has (the step commits), False if a rank marked it failed."""
         key = self._key("commit", step)
-        if self.store.add(self._key("arrived", step), 1) == self.size:
-            self.store.compare_set(key, "", "ok")
+        if self.store.add(self._key("arrived", step), 1) == self.size:      # the last one in decides: two calls
+            return self.store.compare_set(key, "", "ok") == b"ok"
         self.store.wait([key], datetime.timedelta(seconds=self.timeout))
         return self.store.get(key) == b"ok"
 
@@ -344,7 +345,7 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
     _WATCHING[0] = False
     membership = Membership(dist.distributed_c10d._get_default_store(), ctx.world_size, ctx.rank, timeout,
                             job=next(_JOBS))
-    comm = ctx.comm
+    comm, first = ctx.comm, len(ctx.comm.ledger.events)         # this run's traffic: the ledger from here on
     layers = [e - s for s, e in split_layers(cfg.n_layer, ctx.world_size, layers)]
     model = GPT(cfg, seed=tc.seed)               # own and replica blocks live here, in every generation
     batches = None
@@ -400,7 +401,8 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
     rep = {k: p.detach().clone() for k, p in replica.named_parameters()} if replica is not None else {}
     return {"params": own, "replica": rep, "layouts": layouts, "records": records, "windows": windows,
             "events": events, "opened": list(_OPENED), "replicated": replicated, "hashes": hashes,
-            "sent": ctx.comm.ledger.by("tag"), "members": list(membership.members)}
+            "sent": Ledger(ctx.rank, ctx.world_size, ctx.comm.ledger.events[first:]).by("tag"),
+            "members": list(membership.members)}
 
 
 def _batches(cfg, tc, num_microbatches: int):

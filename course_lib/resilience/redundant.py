@@ -25,11 +25,13 @@ What this module chooses, each said once:
     (4·ψ_k bytes) to its predecessor, which applies the same AdamW update to its replica — the same arithmetic on
     the same numbers, so the replica stays bit for bit the stage. Bamboo's engine copies the successor's parameters
     and optimizer state instead (`_exec_send_weights`): 12·ψ_k bytes with AdamW.
-  * **a step commits everywhere or nowhere.** Before its optimizer step every rank counts itself in under the step
-    in the store; the last one in commits the step, a rank that saw a peer die marks it failed — whichever comes
-    first (compare-and-set). So the survivors of a failure all hold the state from before the failed step and run
-    it again on the new layout. (Bamboo keeps the redundant forward's activations to finish the interrupted
-    iteration without recomputing it; here they are dropped, and at most one step is redone.)
+  * **a step commits everywhere or nowhere.** Before its optimizer step every rank reports in to rank 0, which
+    commits the step once all have. A rank lost before it reported in fails the step everywhere: rank 0's receive
+    from it fails, rank 0 leaves the group, and the ranks waiting for its word see that. The survivors then all hold
+    the state from before the failed step and run it again on the new layout. A rank lost after it reported in
+    leaves a committed step, which its replica took too. (Bamboo's engine instead goes on with the interrupted iteration on a failover
+    schedule, `NextStageFailoverSchedule`; here the redundant forward's outputs are dropped and at most one step is
+    redone.)
 
 Checked against (docs/formulas.md §8.4): the replica's gradients are 4·ψ_{k+1} bytes per step on the ledger, its
 state 8 + |packed state| bytes per (re)formation; the final parameters equal an uninterrupted plain pipeline's
@@ -39,10 +41,12 @@ redundant forward adds t_f / (t_f + t_b) ≈ 1/3 of a stage's compute (equal sta
 from __future__ import annotations
 
 import datetime
+import hashlib
 import itertools
 import re
 import sys
 import time
+from pathlib import PurePath
 
 import torch
 import torch.distributed as dist
@@ -58,6 +62,7 @@ from .peer import pack, unpack
 from .state import ResumedBatches, training_state
 
 GRAD_TAG = "bamboo_grads"          # ledger tags: the replica's gradients every step …
+COMMIT_TAG = "bamboo_commit"       # … reporting in to rank 0, and its word …
 REPLICA_TAG = "bamboo_replica"     # … and the whole state, whenever the pipeline is (re)formed
 
 
@@ -69,11 +74,12 @@ class PeerLost(RuntimeError):
         self.peer = peer
 
 
-class StepFailed(RuntimeError):
-    """Another rank marked this step failed before it committed."""
-
-
 # ============================================================================================ detection
+def _lost(peer: int, e: RuntimeError) -> PeerLost:
+    # gloo: "[…/pair.cc:553] Connection closed by peer [127.0.0.1]:port. This is typically …": the middle part
+    return PeerLost(peer, re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0])
+
+
 class _Handle:
     def __init__(self, handle, peer):
         self.handle, self.peer = handle, peer
@@ -81,30 +87,37 @@ class _Handle:
     def wait(self) -> None:
         try:
             self.handle.wait()
-        except RuntimeError as e:         # gloo: "Connection closed by peer", "Connection reset by peer", …
-            raise PeerLost(self.peer, re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0]) from e
+        except RuntimeError as e:
+            raise _lost(self.peer, e) from e
 
 
 class Watched:
-    """A communicator whose point-to-point transfers say which peer they lost when they fail: a SIGKILLed process's
-    sockets are closed by the kernel, so the rank waiting on it gets an error at once, not at a timeout."""
+    """A communicator whose point-to-point transfers say which peer they lost when they fail — when posted (the
+    connection is already closed) or when waited for: a SIGKILLed process's sockets are closed by the kernel, so the
+    rank waiting on it gets an error at once, not at a timeout."""
 
     def __init__(self, comm: Communicator):
         self.comm = comm
 
     def isend(self, tensor, dst: int, *, tag: str = ""):
-        return _Handle(self.comm.isend(tensor, dst, tag=tag), dst)
+        try:
+            return _Handle(self.comm.isend(tensor, dst, tag=tag), dst)
+        except RuntimeError as e:
+            raise _lost(dst, e) from e
 
     def irecv(self, tensor, src: int, *, tag: str = ""):
-        return _Handle(self.comm.irecv(tensor, src, tag=tag), src)
+        try:
+            return _Handle(self.comm.irecv(tensor, src, tag=tag), src)
+        except RuntimeError as e:
+            raise _lost(src, e) from e
 
     def __getattr__(self, name):
         return getattr(self.comm, name)
 
 
 class Membership:
-    """Who is in the job (original ranks, in pipeline order) and the store through which they agree: on commits,
-    and on who died. Generation g's keys live under `bamboo/g<g>/`; a new generation is a new process group."""
+    """Who is in the job (original ranks, in pipeline order) and the store through which the survivors of a failure
+    agree on who died. Generation g's keys live under `bamboo/<job>/g<g>/`; each generation is a process group."""
 
     def __init__(self, store, world_size: int, rank: int, timeout: float, job: int = 0):
         self.store = dist.PrefixStore(f"bamboo/{job}/", store)
@@ -121,23 +134,13 @@ class Membership:
     def _key(self, *parts) -> str:
         return "/".join([f"g{self.gen}", *map(str, parts)])
 
-    def commit(self, step: int) -> bool:
-        """Count in under `step`; True once everyone has (the step commits), False if a rank marked it failed."""
-        key = self._key("commit", step)
-        if self.store.add(self._key("arrived", step), 1) == self.size:      # the last one in decides: two calls
-            return self.store.compare_set(key, "", "ok") == b"ok"
-        self.store.wait([key], datetime.timedelta(seconds=self.timeout))
-        return self.store.get(key) == b"ok"
-
-    def fail(self, step: int, peer: int | None) -> None:
-        """This rank saw `step` fail — the connection to group rank `peer` closed, or another rank said so. A peer
-        that left on its own said so first (`left/`); one that did not is dead."""
+    def fail(self, peer: int) -> None:
+        """The connection to group rank `peer` closed. A peer that left the group on its own said so first
+        (`left/`); one that did not is dead. Then this rank leaves too (`regroup`)."""
         self.store.set(self._key("left", self.me), "1")
-        if peer is not None:
-            who = self.members[peer]
-            if not self.store.check([self._key("left", who)]) and self.store.add(self._key("dead", who), 1) == 1:
-                self.store.add(self._key("ndead"), 1)
-        self.store.compare_set(self._key("commit", step), "", "failed")
+        who = self.members[peer]
+        if not self.store.check([self._key("left", who)]) and self.store.add(self._key("dead", who), 1) == 1:
+            self.store.add(self._key("ndead"), 1)
 
     def regroup(self) -> list:
         """Leave the process group (closing this rank's connections wakes whoever waits on it), wait until every
@@ -180,7 +183,8 @@ def takeover(layers, dead) -> list:
 class RedundantPipeline(Pipeline):
     """The pipeline executor, plus Bamboo's redundancy: after each forward of its stage (and its send) this rank
     runs the forward of the successor's stage on the same output — the redundant forward, 'kR<mb>' in `records` —
-    and after the schedule it trades gradients with its neighbours and commits the step (see the module docstring).
+    and after the schedule it trades gradients with its neighbours and reports in to rank 0, which commits the step
+    (see the module docstring).
     `optimizer` (for train.run) steps the stage and the replica together."""
 
     def __init__(self, stage: PipelineStage, comm, plan, membership: Membership, replica: PipelineStage | None,
@@ -227,25 +231,38 @@ class RedundantPipeline(Pipeline):
             h.wait()
         self.comm.release()
 
+    def commit(self) -> None:
+        """Every rank reports in to rank 0; rank 0 commits the step once all have, and tells them. Any connection
+        lost on the way raises PeerLost: the step did not commit (except for a rank lost after rank 0's word left)."""
+        word = torch.ones(1)
+        if self.rank == 0:
+            reports = [self.comm.irecv(torch.empty(1), src, tag=COMMIT_TAG) for src in range(1, self.comm.world_size)]
+            for h in reports:
+                h.wait()
+            for dst in range(1, self.comm.world_size):
+                try:
+                    self.comm.isend(word, dst, tag=COMMIT_TAG).wait()
+                except PeerLost:             # committed all the same: the next step finds the dead rank
+                    pass
+        else:
+            self.comm.isend(word, 0, tag=COMMIT_TAG).wait()
+            self.comm.irecv(torch.empty(1), 0, tag=COMMIT_TAG).wait()
+        self.comm.release()
+
     def __call__(self, model, batches, step: int, phase) -> float:
         self._step = step
-        global_step = self.start + step
         try:
             loss = self.run(batches, step, phase)
             t0 = now()
             with phase("sync"):
                 self.sync_replica()
-                committed = self.membership.commit(global_step)
+                self.commit()
             self.records.append((step, "sync", t0, now()))
         except PeerLost as e:
-            self.failure = {"step": global_step, "peer": self.membership.members[e.peer], "caught": now(),
+            self.failure = {"step": self.start + step, "peer": self.membership.members[e.peer], "caught": now(),
                             "how": str(e)}
-            self.membership.fail(global_step, e.peer)
+            self.membership.fail(e.peer)
             raise
-        if not committed:
-            self.failure = {"step": global_step, "peer": None, "caught": now(), "how": "marked failed by another rank"}
-            self.membership.fail(global_step, None)
-            raise StepFailed(f"step {global_step} was marked failed")
         self.committed += 1
         return loss
 
@@ -269,7 +286,6 @@ class _Together:
 
 
 def _digest(t: torch.Tensor) -> str:
-    import hashlib
     return hashlib.sha1(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
 
@@ -296,16 +312,11 @@ def replicate(comm, stage: PipelineStage, opt, replica: PipelineStage | None, re
             sources.setdefault(e["key"], []).append((e["start"], tensors[fkey]))
         with torch.no_grad():
             for piece in state.pieces:
-                _fill(piece, sources.get(piece.key, []), _Named(f"stage {r + 1}'s state"))
+                _fill(piece, sources.get(piece.key, []), PurePath(f"stage {r + 1}'s state"))
     for h in sends:
         h.wait()
     comm.release()
     return sent
-
-
-class _Named:
-    def __init__(self, name):
-        self.name = name
 
 
 # ============================================================================================ no disk, checked
@@ -314,8 +325,11 @@ _WATCHING = [False]
 _JOBS = itertools.count()          # every rank calls train_redundant equally often: the same job id everywhere
 
 
+_MODULES = (".py", ".pyc", ".so")    # a module Python imports on first use is code, not state: not counted
+
+
 def _audit(event, args):
-    if _WATCHING[0] and event == "open":
+    if _WATCHING[0] and event == "open" and not str(args[0]).endswith(_MODULES):
         _OPENED.append(str(args[0]))
 
 
@@ -331,8 +345,9 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
     """Train `cfg` as a pipeline over all of launch's ranks with Bamboo's redundancy, for `steps` steps, surviving
     the death of any stage but the first. Run it under `launch(..., allow_deaths=True)`.
 
-    kill: (rank, step) — that rank SIGKILLs itself in the backward of that step (`failures.KillAt`; `note`: a file
-    that receives the time of death). check: hash every stage output and every redundant forward's output.
+    kill: (rank, step) or (rank, step, phase) — that rank SIGKILLs itself when it enters that phase of that step
+    ('forward', 'backward' (default), 'sync': the replica's gradients and the commit, 'step': the optimizer step,
+    after the commit; `failures.KillAt`). note: a file that receives the time of death. check: hash every stage output and every redundant forward's output.
     Returns this rank's parameters (own stage and replica, by name), layouts, records, step times, the recovery
     events with their timings, the files this process opened while it recovered, and its ledger by tag."""
     from .failures import KillAt
@@ -367,12 +382,12 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
         if batches is None:
             batches = _batches(cfg, tc, num_microbatches)
         pipe = RedundantPipeline(stage, comm, plan, membership, replica, opt, replica_opt, start=done, hashes=hashes)
-        probes = [KillAt(kill[0], kill[1], start_step=done, note=note)] if kill is not None and membership.gen == 0 \
-            else []
+        probes = [KillAt(*kill[:2], phase=(*kill, "backward")[2], start_step=done, note=note)] \
+            if kill is not None and membership.gen == 0 else []
         try:
             result = run(stage, pipe.optimizer, ResumedBatches(batches, done), steps=steps - done, step_fn=pipe,
                          probes=probes)
-        except (PeerLost, StepFailed):
+        except PeerLost:
             _WATCHING[0] = True                  # from here on: which files does this process open?
             result = None
         records += [(membership.gen, done + s, op, t0, t1) for s, op, t0, t1 in pipe.records]
@@ -423,5 +438,5 @@ def predicted_overhead(t_f: float, t_b: float, t_f_next: float | None = None) ->
     return t_f_next / (t_f + t_b)
 
 
-__all__ = ["RedundantPipeline", "Membership", "Watched", "PeerLost", "StepFailed", "takeover", "replicate",
-           "train_redundant", "predicted_overhead", "GRAD_TAG", "REPLICA_TAG"]
+__all__ = ["RedundantPipeline", "Membership", "Watched", "PeerLost", "takeover", "replicate", "train_redundant",
+           "predicted_overhead", "GRAD_TAG", "COMMIT_TAG", "REPLICA_TAG"]

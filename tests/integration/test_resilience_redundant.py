@@ -63,13 +63,17 @@ def test_the_redundant_forward_is_the_successors_forward_and_training_is_unchang
     assert sum(p.numel() for p in out[1]["params"].values()) == BLOCK
 
 
-@pytest.mark.parametrize("world_size, kill, schedule", [(3, (1, 2), "1f1b"), (3, (2, 1), "gpipe"),
-                                                        (2, (1, 3), "1f1b")])
-def test_a_killed_stage_is_taken_over_by_its_predecessor_bit_for_bit_without_disk(world_size, kill, schedule,
+@pytest.mark.parametrize("world_size, kill, schedule, redo", [
+    (3, (1, 2), "1f1b", 2),                # in its backward: step 2 did not commit and runs again
+    (3, (2, 1, "sync"), "gpipe", 1),       # while reporting in: neither
+    (3, (2, 1, "step"), "1f1b", 2),        # in its optimizer step, after step 1 committed: the replica took step 1
+    (2, (1, 3, "forward"), "1f1b", 3)],    # one stage left
+    ids=["backward", "reporting-in-gpipe", "after-the-commit", "one-stage-left"])
+def test_a_killed_stage_is_taken_over_by_its_predecessor_bit_for_bit_without_disk(world_size, kill, schedule, redo,
                                                                                   no_leaks):
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as note:
         out = launch(_redundant, world_size, schedule, kill, note.name, timeout=60, allow_deaths=True)
-    rank, step = kill
+    rank = kill[0]
     assert out[rank] == RankDied(rank, -9)
     alive = [r for r in out if not isinstance(r, RankDied)]
     assert _same({k: v for r in alive for k, v in r["params"].items()}, _reference())
@@ -77,9 +81,9 @@ def test_a_killed_stage_is_taken_over_by_its_predecessor_bit_for_bit_without_dis
     after = before[:rank - 1] + [before[rank - 1] + before[rank]] + before[rank + 1:]
     for r in alive:
         assert [lay["layers"] for lay in r["layouts"]] == [before, after]
-        assert r["layouts"][1]["start"] == step          # the interrupted step is run again, nothing before it
+        assert r["layouts"][1]["start"] == redo          # at most the interrupted step is run again
         (event,) = r["events"]
-        assert event["dead"] == [rank] and event["step"] == step
+        assert event["dead"] == [rank] and event["step"] == redo
         assert event["caught"] < event["regrouped"] < event["replicated"] <= event["resumed"]
         assert r["opened"] == []                         # no file opened from the failure to the end
     for a, b in zip(alive, alive[1:]):

@@ -103,6 +103,21 @@ def unpack(blob: bytes) -> tuple[int, dict, dict, dict]:
     return int(meta["step"]), json.loads(meta["index"]), json.loads(meta["rng"]), safetensors.torch.load(blob)
 
 
+def load_packed(blob: bytes, model, optimizer, what: str):
+    """Fill `model` and `optimizer` (creating the optimizer state a fresh one lacks) from `pack`'s bytes; returns
+    (their TrainingState, the tensors, the generators' metadata) — setting the generators is the caller's choice."""
+    _, index, rng, tensors = unpack(blob)
+    template = {e["key"]: (e["shape"], getattr(torch, e["dtype"])) for e in index.values()}
+    state = training_state(model, optimizer, template=template)
+    sources = {}
+    for fkey, e in index.items():
+        sources.setdefault(e["key"], []).append((e["start"], tensors[fkey]))
+    with torch.no_grad():
+        for piece in state.pieces:
+            _fill(piece, sources.get(piece.key, []), Path(what))
+    return state, tensors, rng
+
+
 def _as_tensor(blob: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
@@ -191,15 +206,7 @@ def restore_from_peers(memory: HostMemory, model, optimizer, *, batches=None):
         h.wait()
     source = "own memory" if step in own[r] else f"rank {(r + 1) % n}'s replica"
     blob = memory.read(r, "own", step) if step in own[r] else received.numpy().tobytes()
-    saved_step, index, rng, tensors = unpack(blob)
-    template = {e["key"]: (e["shape"], getattr(torch, e["dtype"])) for e in index.values()}
-    state = training_state(model, optimizer, template=template)
-    sources = {}
-    for fkey, e in index.items():
-        sources.setdefault(e["key"], []).append((e["start"], tensors[fkey]))
-    with torch.no_grad():
-        for piece in state.pieces:
-            _fill(piece, sources.get(piece.key, []), Path(f"in-memory step {step}"))
+    state, tensors, rng = load_packed(blob, model, optimizer, f"in-memory step {step}")
     set_rng_state(tensors, rng)
     state.finish_load()
     protect(memory, state, step)          # the lost machine's memory held a replica too: rebuild both copies
@@ -311,5 +318,5 @@ def run_with_recovery(worker, world_size: int, *args, max_restarts: int = 1, tim
     raise AssertionError("unreachable")
 
 
-__all__ = ["HostMemory", "PeerCheckpointProbe", "protect", "restore_from_peers", "resilient_worker", "pack", "unpack", "ring_shift",
-           "run_with_recovery", "Recovery", "Failure", "dead_ranks", "describe_exit"]
+__all__ = ["HostMemory", "PeerCheckpointProbe", "protect", "restore_from_peers", "resilient_worker", "pack", "unpack",
+           "load_packed", "ring_shift", "run_with_recovery", "Recovery", "Failure", "dead_ranks", "describe_exit"]

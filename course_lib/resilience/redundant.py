@@ -46,7 +46,6 @@ import itertools
 import re
 import sys
 import time
-from pathlib import PurePath
 
 import torch
 import torch.distributed as dist
@@ -57,8 +56,7 @@ from ..model import GPT, get_config
 from ..parallel.pipeline.executor import Pipeline, plan_pipeline
 from ..parallel.pipeline.stage import PipelineStage, split_layers
 from ..train import make_optimizer, run
-from .checkpoint import _fill
-from .peer import pack, unpack
+from .peer import load_packed, pack
 from .state import ResumedBatches, training_state
 
 GRAD_TAG = "bamboo_grads"          # ledger tags: the replica's gradients every step …
@@ -304,15 +302,7 @@ def replicate(comm, stage: PipelineStage, opt, replica: PipelineStage | None, re
         comm.irecv(size, r + 1, tag=REPLICA_TAG).wait()
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         comm.irecv(buf, r + 1, tag=REPLICA_TAG).wait()
-        _, index, _, tensors = unpack(buf.numpy().tobytes())
-        template = {e["key"]: (e["shape"], getattr(torch, e["dtype"])) for e in index.values()}
-        state = training_state(replica, replica_opt, template=template)
-        sources = {}
-        for fkey, e in index.items():
-            sources.setdefault(e["key"], []).append((e["start"], tensors[fkey]))
-        with torch.no_grad():
-            for piece in state.pieces:
-                _fill(piece, sources.get(piece.key, []), PurePath(f"stage {r + 1}'s state"))
+        load_packed(buf.numpy().tobytes(), replica, replica_opt, f"stage {r + 1}'s state")
     for h in sends:
         h.wait()
     comm.release()

@@ -12,7 +12,10 @@ Guarantees, each tested:
   * a timeout kills everything and raises `LaunchTimeout` with every rank's stack;
   * no child process or port outlives the call, also when the caller is interrupted (Ctrl-C / kernel interrupt):
     the rendezvous store lives in the caller and is closed, ranks are killed by process group, and each rank
-    dies with its parent (PR_SET_PDEATHSIG).
+    dies with its parent (PR_SET_PDEATHSIG);
+  * a rank that dies without a word (killed) stops the job — unless `allow_deaths=True`, for jobs that survive
+    losing a rank themselves (`resilience.redundant`): then the others go on, and the dead rank's entry in the
+    result list is a `RankDied` (its exit code). Rank 0 serves the rendezvous store, so its death ends the job.
 
 The same worker runs unchanged under `torchrun` (env:// rendezvous): when torchrun's environment is present,
 `launch` runs this process's rank only and returns all ranks' results (gathered with all_gather_object). See
@@ -58,6 +61,13 @@ class LaunchTimeout(LaunchError):
     """The job ran past its timeout; every rank was killed."""
 
 
+@dataclass(frozen=True)
+class RankDied:
+    """The result of a rank that died without reporting one (`launch(..., allow_deaths=True)`)."""
+    rank: int
+    exitcode: int
+
+
 @dataclass
 class RankContext:
     """What a worker gets as its first argument."""
@@ -99,11 +109,13 @@ def _validate(world_size, timeout, backend) -> None:
 
 
 def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
-           start_method: str | None = None, **kwargs) -> list:
+           start_method: str | None = None, allow_deaths: bool = False, **kwargs) -> list:
     """Run fn(ctx, *args, **kwargs) on `world_size` real ranks; return the list of results in rank order.
 
     start_method: 'fork' (default with gloo: works for functions defined in notebook cells) or 'spawn' (default
     with NCCL; needs `fn` in an importable module, and costs a few seconds per launch for importing torch).
+    allow_deaths: a rank killed by a signal (or gone without a result) does not stop the others; its result is a
+    `RankDied`. A rank that raises still fails the job; so does a timeout. Not under torchrun (its agent decides).
     """
     backend = backend or "gloo"          # NCCL only on request: it needs spawn, which notebook functions can't use
     _validate(world_size, timeout, backend)
@@ -111,8 +123,11 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend
     if method not in ("fork", "spawn"):
         raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
     if under_torchrun():
+        if allow_deaths:
+            raise ValueError("allow_deaths=True is for local launches: under torchrun its agent restarts the group "
+                             "when a worker dies; use torchrun's --max-restarts instead")
         return _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend)
-    return _launch_local(fn, world_size, args, kwargs, timeout, backend, method)
+    return _launch_local(fn, world_size, args, kwargs, timeout, backend, method, allow_deaths)
 
 
 # --------------------------------------------------------------------------------------------- the rank side
@@ -216,7 +231,7 @@ def _warm_imports() -> None:
         import torch._dynamo  # noqa: F401
 
 
-def _launch_local(fn, world_size, args, kwargs, timeout, backend, method):
+def _launch_local(fn, world_size, args, kwargs, timeout, backend, method, allow_deaths=False):
     if method == "spawn" and getattr(fn, "__module__", "__main__") == "__main__":
         raise ValueError("ranks started with 'spawn' (always so with backend='nccl') need the worker in an importable "
                          ".py module: a function defined in a notebook cell cannot be found by a spawned process. "
@@ -244,7 +259,7 @@ def _launch_local(fn, world_size, args, kwargs, timeout, backend, method):
             procs.append(p)
             conns.append(recv_end)
         listener.close()                            # rank 0 holds the port now; it closes when rank 0 ends
-        return _collect(procs, conns, timeout, tmpdir)
+        return _collect(procs, conns, timeout, tmpdir, allow_deaths)
     finally:
         listener.close()
         _kill_all(procs)
@@ -262,8 +277,9 @@ _PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Read
                   "Socket Timeout", "Timed out waiting", "connection refused")
 
 
-def _collect(procs, conns, timeout, tmpdir):
-    """Wait for every rank's report; on the first failure give the others a short grace, then stop them."""
+def _collect(procs, conns, timeout, tmpdir, allow_deaths=False):
+    """Wait for every rank's report; on the first failure give the others a short grace, then stop them (a death
+    is no failure with `allow_deaths`: the others go on)."""
     n = len(procs)
     results: dict[int, object] = {}
     failures: dict[int, str] = {}
@@ -293,6 +309,10 @@ def _collect(procs, conns, timeout, tmpdir):
                 failures[i] = payload[0]
                 symptom = any(s.lower() in payload[2].lower() for s in _PEER_SYMPTOMS)
                 causes.append((2 if symptom else 0, payload[3], i, payload[1], payload[2]))
+            elif kind == "died" and allow_deaths:
+                procs[i].join(1.0)
+                results[i] = RankDied(i, procs[i].exitcode)
+                kind = "ok"
             elif kind == "died":
                 procs[i].join(1.0)
                 code = procs[i].exitcode

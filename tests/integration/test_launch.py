@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.dist.launch import LaunchError, LaunchTimeout, launch
+from course_lib.dist.launch import LaunchError, LaunchTimeout, RankDied, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -114,6 +114,24 @@ def _exits_hard(ctx):
 def test_a_rank_that_dies_without_a_result_is_reported(no_leaks):
     with pytest.raises(LaunchError, match="exited with code 3"):
         launch(_exits_hard, 2, timeout=30)
+
+
+def _killed_or_waits(ctx, raise_too=False):
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if raise_too and ctx.rank == 2:
+        raise ValueError("a bug is still a failure")
+    time.sleep(0.5)                     # longer than the grace the others get after a failure (0.2 s here)
+    return ctx.rank
+
+
+def test_allow_deaths_lets_the_others_finish_and_names_the_dead(no_leaks, monkeypatch):
+    monkeypatch.setattr("course_lib.dist.launch._GRACE_AFTER_ERROR", 0.2)
+    assert launch(_killed_or_waits, 3, timeout=30, allow_deaths=True) == [0, RankDied(1, -signal.SIGKILL), 2]
+    with pytest.raises(LaunchError, match="rank 1 exited with code -9"):
+        launch(_killed_or_waits, 2, timeout=30)
+    with pytest.raises(LaunchError, match="a bug is still a failure"):
+        launch(_killed_or_waits, 3, True, timeout=30, allow_deaths=True)
 
 
 def _unpicklable(ctx):

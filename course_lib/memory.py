@@ -259,8 +259,10 @@ class MemoryTracker(TorchDispatchMode):
             self.timeline.append((now(), {p: dict(r) for p, r in self._bytes.items() if p == "device" or any(r.values())}))
 
     def _add(self, storage, category: str, placement: str) -> None:
-        nbytes = storage.nbytes()
         key = storage._cdata
+        if key in self._live:             # a view of a counted storage (most ops' outputs): nothing to do
+            return
+        nbytes = storage.nbytes()
         with self._lock:
             if nbytes == 0 or key in self._live:
                 return
@@ -391,6 +393,9 @@ class MemoryTracker(TorchDispatchMode):
         if _paused.get():
             return
         category, placement = _category.get(), _placement.get()
+        if isinstance(out, torch.Tensor):       # most ops return one tensor: no need to walk a pytree
+            self._add(out.untyped_storage(), category, placement)
+            return
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category, placement)

@@ -135,14 +135,10 @@ class ShardedGroup:
         wait_all(self.handles)
         self.handles = []
         self.fsdp.comm.release()                   # finished transfers would otherwise keep the buffer alive
-        N = self.fsdp.comm.world_size
         with alloc_category("parameters"):
             self.full = self.full_layout.new(self.staging.dtype)
         for i, full in enumerate(self.full_layout.views(self.full)):
-            rows = full.view(self.shapes[i][0], -1)
-            for r, slot in enumerate(self._slots(self.staging, i)):   # rank r's rows; its padding stays behind
-                lo, hi = shard_rows(len(rows), N, r)
-                rows[lo:hi].copy_(slot[:hi - lo])
+            self._copy_rows(full.view(self.shapes[i][0], -1), self._slots(self.staging, i), into_rows=True)
         self.staging = None
         self.fsdp._gathered[self.full.untyped_storage()._cdata] = self
 
@@ -157,17 +153,12 @@ class ShardedGroup:
 
     def reduce_scatter(self, grads) -> list:
         """The unit's full gradients (None if unused) → this rank's averaged shard gradients, in the master dtype."""
-        N, r = self.fsdp.comm.world_size, self.fsdp.comm.rank
         dtype = self.fsdp.compute_dtype or self.local.dtype
         with alloc_category("comm"):
             send = torch.zeros(self.padded, dtype=dtype)
         for i, g in enumerate(grads):
-            if g is None:
-                continue
-            rows = g.reshape(self.shapes[i][0], -1)
-            for r, slot in enumerate(self._slots(send, i)):   # rank r's rows into rank r's slot, padding left zero
-                lo, hi = shard_rows(len(rows), N, r)
-                slot[:hi - lo].copy_(rows[lo:hi])
+            if g is not None:                      # rank r's rows into rank r's slot, padding left zero
+                self._copy_rows(g.reshape(self.shapes[i][0], -1), self._slots(send, i), into_rows=False)
         self.unit.free()                           # its backward is done: drop the gathered parameters first
         mine = reduce_scatter_ring(self.fsdp.comm, send, "avg", tag="fsdp_rs", inplace=True)
         with alloc_category("gradients"):
@@ -177,10 +168,21 @@ class ShardedGroup:
             out.append(self.input_layout.view(mine, i)[:shard.numel()].view(shard.shape))
         return out
 
-    def _slots(self, buf: torch.Tensor, i: int) -> list:
-        """Parameter i's slot of every rank in an all-gather output `buf` (N·L): each a (c, row numel) view."""
+    def _slots(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's slot of every rank in an all-gather output `buf` (N·L), as one (N, c, row numel) view:
+        [r] is rank r's c rows (shard_rows: the first ones hold c real rows, the last ones fewer or none)."""
         c, rn, o = self.chunk_rows[i], self.row_numel[i], self.input_layout.offsets[i]
-        return [part[o:o + c * rn].view(c, rn) for part in buf.view(-1, self.L)]
+        return buf.view(-1, self.L)[:, o:o + c * rn].unflatten(1, (c, rn))
+
+    @staticmethod
+    def _copy_rows(rows: torch.Tensor, slots: torch.Tensor, *, into_rows: bool) -> None:
+        """Copy a parameter's d0 rows (d0, row numel) into every rank's slot (N, c, row numel), or back: the ranks
+        that hold c real rows in one copy, the one that holds the rest in another (not one copy per rank)."""
+        c = slots.shape[1]
+        k, rem = divmod(rows.shape[0], c) if c else (0, 0)
+        pairs = [(rows[:k * c].view(k, c, rows.shape[1]), slots[:k])] + ([(rows[k * c:], slots[k, :rem])] if rem else [])
+        for held, slot in pairs:
+            held.copy_(slot) if into_rows else slot.copy_(held)
 
     def set_full(self, views) -> None:
         for view, places in zip(views, self.places):

@@ -33,14 +33,17 @@ def plot_pipeline(timeline, *, ax=None, title: str = "Pipeline schedule", unit: 
     span = (max(e for ops in timeline for _, _, e in ops) - t0) * scale
     for r, ops in enumerate(timeline):
         y = n - 1 - r
+        boxes: dict = {}          # (kind, first chunk?) → [(x0, width)]: one collection each, not one per op (faster)
         for op, s, e in ops:
             kind, stage, mb = _parse(op)
             x0, w = (s - t0) * scale, max((e - s) * scale, 1e-9)
-            ax.broken_barh([(x0, w)], (y + 0.1, 0.8), facecolors=OP_COLORS[kind], edgecolor="white", lw=0.5,
-                           alpha=1.0 if stage // S == 0 else 0.65)
+            boxes.setdefault((kind, stage // S == 0), []).append((x0, w))
             if labels and w > span / (90 if chunks == 1 else 60):    # no text in boxes too small to read
                 text = f"{mb}" if chunks == 1 else f"{mb}.{stage // S}"
                 ax.text(x0 + w / 2, y + 0.5, text, ha="center", va="center", fontsize=7, color="white")
+        for (kind, first), spans in boxes.items():
+            ax.broken_barh(spans, (y + 0.1, 0.8), facecolors=OP_COLORS[kind], edgecolor="white", lw=0.5,
+                           alpha=1.0 if first else 0.65)
     ax.set_yticks([n - 1 - r + 0.5 for r in range(n)])
     ax.set_yticklabels([f"rank {r}" for r in range(n)])
     ax.set_xlabel(f"time ({unit})")

@@ -56,18 +56,20 @@ def _build(ctx, stage, seed):
     return model, opt, data_parallel_batches(ctx.comm, CONFIG.seq_len, tc.batch_size, seed=tc.data_seed)
 
 
-def resumable_worker(ctx, root, steps, every, kill_rank="-1", kill_step="0", stage="1", seed="0"):
+def resumable_worker(ctx, root, steps, every, kill_rank="-1", kill_step="0", stage="1", seed="0", save_at="0"):
     """Train the nano GPT with ZeRO-`stage` (string arguments: it runs from the command line), checkpointing
     every `every` steps into `root` and resuming from the newest good checkpoint there; in torchrun's first attempt
-    rank `kill_rank` SIGKILLs itself in step `kill_step`. Returns (attempt, first step, last step)."""
-    steps, every, kill_rank, kill_step = int(steps), int(every), int(kill_rank), int(kill_step)
+    rank `kill_rank` SIGKILLs itself in step `kill_step`. save_at > 0: also save after that step — the checkpoint
+    a run that stopped there leaves, since saving changes nothing in the run. Returns (attempt, first step, last
+    step)."""
+    steps, every, kill_rank, kill_step, save_at = int(steps), int(every), int(kill_rank), int(kill_step), int(save_at)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     model, opt, batches = _build(ctx, stage, seed)
     start = 0
     if list_checkpoints(root):
         resumed = load(root, model, opt, batches=batches)
         start, batches = resumed.step, resumed.batches
-    probes = [CheckpointProbe(root, every, batches=batches, start_step=start)]
+    probes = [CheckpointProbe(root, every, batches=batches, start_step=start, at=[save_at] if save_at else [])]
     if attempt == 0 and kill_rank >= 0:
         probes.append(KillAt(kill_rank, kill_step, start_step=start))
     run(model, opt, batches, steps=steps - start, probes=probes)
@@ -139,6 +141,11 @@ def _child(target, args, stdout, stderr):
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", buffering=1, closefd=False)
+    import logging
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):     # torch's log handlers hold the caller's stderr (a
+            if type(handler) is logging.StreamHandler:      # notebook's, pytest's): they write to this one now
+                handler.stream = sys.stderr
     target(*args)
 
 
@@ -176,9 +183,8 @@ def torchrun_command(nproc: int, *args, max_restarts: int = 1, share_store: bool
     return argv, env
 
 
-def _torchrun_agent(argv: list, env: dict, share_store: bool, log: str) -> None:
-    """torchrun's own `main` (torch.distributed.run), in a child forked from the caller; its log into `log`."""
-    import logging
+def _torchrun_agent(argv: list, env: dict, share_store: bool) -> None:
+    """torchrun's own `main` (torch.distributed.run), in a child forked from the caller."""
     import warnings
 
     from torch.distributed import run as torchrun
@@ -186,9 +192,6 @@ def _torchrun_agent(argv: list, env: dict, share_store: bool, log: str) -> None:
     os.environ.update(env)
     if share_store:
         os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    handler = logging.FileHandler(log)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("torch.distributed.elastic").addHandler(handler)
     torchrun.main(argv)
 
 
@@ -213,14 +216,13 @@ def run_torchrun(nproc: int, root, steps: int, every: int, kill_rank: int = -1, 
             str(Path(__file__).with_name("torchrun_entry.py")), "course_lib.resilience.references:resumable_worker",
             *map(str, (root, steps, every, kill_rank, kill_step))]
     t0 = time.perf_counter()
-    agent = _forked(_torchrun_agent, argv, _torchrun_env(share_store), share_store, str(work / "agent.log"),
-                    stdout=str(work / "output.txt"))
+    agent = _forked(_torchrun_agent, argv, _torchrun_env(share_store), share_store, stdout=str(work / "output.txt"))
     try:
         agent.join(timeout)
         code = agent.exitcode
     finally:
         _stop([agent])
-    text = "".join(p.read_text(errors="replace") for p in (work / "output.txt", work / "agent.log") if p.exists())
+    text = (work / "output.txt").read_text(errors="replace") if (work / "output.txt").exists() else ""
     if code is None:
         text = f"torchrun did not finish within {timeout:g} s\n" + text
     shutil.rmtree(work, ignore_errors=True)

@@ -14,7 +14,8 @@ reused (CheckFreq keeps one), and overwriting it mid-write would tear the checkp
 checkpoint — the stall — is the δ of Young's interval √(2δM) (docs/formulas.md §8.3).
 
 `CheckpointProbe` is a `train.Probe`: `run(model, opt, batches, steps=…, probes=[CheckpointProbe(root, every=…)])`
-saves after every `every`-th optimizer step, counted from `start_step` (a resumed run's first step).
+saves after every `every`-th optimizer step, counted from `start_step` (a resumed run's first step), and after
+each step listed in `at`.
 """
 from __future__ import annotations
 
@@ -31,18 +32,18 @@ class CheckpointProbe(Probe):
     training thread (the stall is the whole save). asynchronous=True: snapshot on the training thread, persist on a
     background thread (CheckFreq). copy=False skips the snapshot copy and persists the live tensors — a wrong
     design, kept to show what the copy is for. `hold` (a threading.Event) makes the background thread wait before
-    writing, as a slow disk would."""
+    writing, as a slow disk would. `at`: steps to save after as well, whether or not `every` divides them."""
     name = "checkpoint"
 
     def __init__(self, root, every: int, *, asynchronous: bool = False, batches=None, start_step: int = 0,
-                 keep: int = 3, copy: bool = True, hold: threading.Event | None = None):
+                 keep: int = 3, copy: bool = True, hold: threading.Event | None = None, at=()):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive number of steps, got {every!r}")
         if not copy and not asynchronous:
             raise ValueError("copy=False only makes sense with asynchronous=True (a synchronous save reads the "
                              "live tensors while nothing changes them)")
         self.root, self.every, self.asynchronous, self.batches = root, every, asynchronous, batches
-        self.start_step, self.keep, self.copy, self.hold = start_step, keep, copy, hold
+        self.start_step, self.keep, self.copy, self.hold, self.at = start_step, keep, copy, hold, set(at)
         self.events: list[dict] = []          # per checkpoint: step, stall and persist spans (perf_counter)
         self._buffer: Snapshot | None = None  # CheckFreq's one snapshot buffer, reused
         self._thread: threading.Thread | None = None
@@ -60,7 +61,7 @@ class CheckpointProbe(Probe):
 
     def after_step(self, step):
         s = self.start_step + step + 1
-        if s % self.every:
+        if s % self.every and s not in self.at:
             return
         t0 = now()
         self.wait()                           # the previous persist must finish before its buffer is reused

@@ -76,7 +76,9 @@ def simulate_goodput(tau: float, delta: float, mtbf: float, restart: float, work
     times (mean `mtbf`; none while restarting), each failure losing the work since the last checkpoint and costing
     `restart`. Returns (goodput, its standard error) with goodput = work / mean wall time: useful time over elapsed
     time summed over all runs (the mean of per-run ratios would be biased upwards, 1/x being convex), and the
-    standard error from the delta method. Seeded, all runs at once (numpy)."""
+    standard error from the delta method. Seeded, all runs at once (numpy); each pass of the loop first takes
+    every whole segment that ends before the run's next failure at once, so it loops once per failure, not once
+    per segment."""
     _positive(tau=tau, mtbf=mtbf, work=work)
     rng = np.random.default_rng(seed)
     clock = np.zeros(runs)                          # wall time of each run
@@ -84,6 +86,11 @@ def simulate_goodput(tau: float, delta: float, mtbf: float, restart: float, work
     fail_at = rng.exponential(mtbf, runs)           # the next failure of each run
     active = np.ones(runs, dtype=bool)
     while active.any():
+        k = np.minimum(np.floor((fail_at - clock) / (tau + delta)), np.floor((work - done) / tau))
+        k = np.where(active, np.maximum(k, 0), 0)   # whole segments done before the next failure
+        clock += k * (tau + delta)
+        done += k * tau
+        active &= done < work * (1 - 1e-12)
         seg = np.minimum(tau, work - done) + delta  # the next segment: compute, then its checkpoint
         ok = active & (clock + seg <= fail_at)
         hit = active & ~ok

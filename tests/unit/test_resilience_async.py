@@ -58,6 +58,12 @@ def test_the_probe_saves_every_k_steps_and_the_last_one_resumes(tmp_path, asynch
     assert all(torch.equal(full[f"model/{k}"], v) for k, v in model.named_parameters())
 
 
+def test_the_probe_also_saves_at_the_steps_it_is_given(tmp_path):
+    model, opt = _fresh()
+    r = run(model, opt, _batches(), steps=6, probes=[CheckpointProbe(tmp_path, 4, at=[3], batches=_batches())])
+    assert [e["step"] for e in r["checkpoint"]] == [3, 4]
+
+
 def test_sync_and_async_write_identical_tensors(tmp_path):
     for mode in (False, True):
         model, opt = _fresh()

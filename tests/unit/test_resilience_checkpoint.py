@@ -271,25 +271,35 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_intact(three, 
     assert C.load(root, *_fresh()).step == 6
 
 
+def _save_under_a_file_size_limit(root, conn):
+    """In a forked child: the limit holds for this process only."""
+    import resource
+    import signal
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # get EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+    model = GPT(get_config("nano"), seed=1)
+    try:
+        C.save(root, model, make_optimizer(model.parameters(), TrainConfig()), step=7)
+        conn.send("saved")
+    except C.CheckpointError as e:
+        conn.send(f"refused: {e}")
+
+
 def test_a_real_file_size_limit_fails_the_save_cleanly(three, tmp_path):
     """RLIMIT_FSIZE makes the kernel refuse writes past a size (EFBIG), as a nearly full disk would."""
+    import multiprocessing as mp
     root = _copy(three[0], tmp_path / "c")
-    script = textwrap.dedent(f"""
-        import resource, signal
-        from course_lib.model import GPT, get_config
-        from course_lib.resilience import checkpoint as C
-        from course_lib.train import TrainConfig, make_optimizer
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # get EFBIG instead of being killed
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
-        model = GPT(get_config("nano"), seed=1)
-        try:
-            C.save({str(root)!r}, model, make_optimizer(model.parameters(), TrainConfig()), step=7)
-        except C.CheckpointError as e:
-            print("refused:", e)
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert "refused: checkpoint step_00000007 was not written" in out.stdout, out.stderr
-    assert "File too large" in out.stdout
+    here, there = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(target=_save_under_a_file_size_limit, args=(str(root), there))
+    child.start()
+    try:
+        said = here.recv() if here.poll(120) else f"no answer; exit code {child.exitcode}"
+    finally:
+        child.kill()
+        child.join()
+    assert said.startswith("refused: checkpoint step_00000007 was not written"), said
+    assert "File too large" in said
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004", "step_00000006"]
     assert C.load(root, *_fresh()).step == 6
 

@@ -76,7 +76,7 @@ def cache_worker(ctx, access, bucket: str, index: ShardIndex, root: str, *, budg
     return {"store_bytes": per_epoch, "peer_bytes": getattr(source, "peer_bytes", 0),
             "shard_bytes_sent": ctx.comm.ledger.bytes_sent(group="cache"),
             "request_bytes_sent": ctx.comm.ledger.bytes_sent(group="cache_req"),
-            "cached": cache.keys(), "hits": cache.hits, "misses": cache.misses}
+            "cached": cache.keys(), "hits": cache.hits, "misses": cache.misses, "retries": access.stats.retries}
 
 
 __all__ = ["stream_worker", "cache_worker"]

@@ -160,3 +160,28 @@ def plot_losses(curves: dict, *, ax=None, title: str = "Training loss", ref_line
     ax.set_title(title)
     ax.legend(fontsize=8)
     return ax
+
+
+def explorer(draw, /, **controls):
+    """Widgets that call ``draw(**their values)`` again whenever one of them changes; returns the box to display.
+
+    Unlike ``ipywidgets.interact``, nothing is drawn when the box is built: the notebook draws the default figure
+    itself, as ordinary output, which is also what a reader without a live kernel sees. A notebook runner
+    (papermill's nbclient) keeps an Output widget's state by messaging the kernel while it waits for the cell to
+    finish, and drawing into one while the cell ran sometimes left that cell waiting out its whole timeout
+    (jupyter/nbclient#312). Drawing only on change keeps the widget empty until a person moves a control.
+    """
+    from ipywidgets import Output, VBox
+
+    if not controls:
+        raise ValueError("explorer needs at least one control, e.g. n=IntSlider(value=4, min=1, max=8)")
+    out = Output()
+
+    def redraw(_change=None):
+        with out:
+            out.clear_output(wait=True)
+            draw(**{name: w.value for name, w in controls.items()})
+
+    for w in controls.values():
+        w.observe(redraw, names="value")
+    return VBox([*controls.values(), out])

@@ -55,7 +55,9 @@ def main(argv=None) -> int:
         return 0
     if a.to_py:
         src, dst = a.to_py
-        jupytext.write(nbformat.read(src, as_version=4), dst, fmt="py:percent")
+        nb = nbformat.read(src, as_version=4)
+        nb.metadata["jupytext"] = {"notebook_metadata_filter": "course"}   # keep the papermill matrix in the draft
+        jupytext.write(nb, dst, fmt="py:percent")
         print(f"wrote {dst}")
         return 0
     bad = []

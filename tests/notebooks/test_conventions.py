@@ -87,6 +87,15 @@ def test_uses_the_course_kernel(path):
     assert read(path).metadata["kernelspec"]["name"] == COURSE_KERNEL, f"{rel(path)}: pick the course kernel"
 
 
+@pytest.mark.parametrize("path", ALL, ids=rel)
+def test_widgets_draw_nothing_while_the_notebook_runs(path):
+    """interact/interactive draw into an Output widget at once, which can hang papermill (jupyter/nbclient#312)."""
+    code = "\n".join(c.source for c in read(path).cells if c.cell_type == "code")
+    found = re.findall(r"\b(interact|interactive|interactive_output|interact_manual)\b\s*\(", code)
+    assert not found, f"{rel(path)}: {sorted(set(found))} draws while the notebook runs; draw the default " \
+        "figure as ordinary output and use course_lib.plots.explorer for the controls"
+
+
 @pytest.mark.parametrize("path", SOLUTIONS, ids=rel)
 def test_solutions_end_with_checks_from_course_lib(path):
     nb = read(path)

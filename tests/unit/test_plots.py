@@ -1,4 +1,4 @@
-"""plot_traffic: every bar can be seen and read, and the legend hides none of them."""
+"""plot_traffic: every bar can be seen and read, and the legend hides none of them; explorer draws only on change."""
 from types import SimpleNamespace
 
 import matplotlib
@@ -44,3 +44,21 @@ def test_bars_of_similar_size_stay_on_a_linear_axis_in_the_requested_unit():
     assert ax.get_yscale() == "linear" and "MiB" in ax.get_ylabel()
     assert max(p.get_height() for p in _bars(ax)) == 2.0
     plt.close(ax.figure)
+
+
+def test_explorer_draws_nothing_when_built_and_redraws_with_every_value_on_change():
+    import pytest
+    from ipywidgets import Dropdown, IntSlider
+
+    from course_lib.plots import explorer
+
+    calls = []
+    n, link = IntSlider(value=4, min=1, max=8), Dropdown(options=["ib", "tcp"], value="ib")
+    box = explorer(lambda n, link: calls.append((n, link)), n=n, link=link)
+    assert calls == []                                  # the notebook draws the default itself
+    assert box.children[:2] == (n, link)
+    n.value = 6
+    link.value = "tcp"
+    assert calls == [(6, "ib"), (6, "tcp")]
+    with pytest.raises(ValueError, match="at least one control"):
+        explorer(print)

@@ -18,7 +18,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 
 from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, assigned_names, parameters_cells, read, rel
 
-NO_EFFECT = "no effect"     # what the QUICK line of a notebook whose QUICK changes nothing must say
+NO_EFFECT = "no effect"     # what the QUICK (or SEED) line of a notebook whose QUICK (SEED) changes nothing must say
 
 
 def _code_cells(nb):
@@ -144,3 +144,16 @@ def test_world_size_0_is_refused_before_anything_runs_with_the_allowed_range(pat
     assert r["cell"] == knob_cell and "WORLD_SIZE" in r["evalue"] and re.search(r"\d", r["evalue"]), (
         f"{rel(path)}: WORLD_SIZE = 0 should be refused in cell {knob_cell}, the first after the environment guard, "
         f"with a message naming WORLD_SIZE and its allowed range; got cell {r['cell']}, {r['ename']}: {r['evalue']}")
+
+
+@pytest.mark.parametrize("path", PATHS, ids=rel)
+def test_a_seed_that_nothing_reads_says_so_on_its_line(path):
+    """The papermill matrix skips a SEED no cell reads (that run would repeat the default), so the knob must not
+    promise what it does not do."""
+    nb = read(path)
+    params = parameters_cells(nb)[0]
+    line = next((ln for ln in params.source.splitlines() if re.match(r"SEED\s*=", ln)), "")
+    used = any(_reads(c.source, "SEED") for c in nb.cells if c.cell_type == "code" and c is not params)
+    assert used or NO_EFFECT in line, (f"{rel(path)}: no cell reads SEED; say so on its line in the parameters cell: "
+                                       f"`SEED = 0  # {NO_EFFECT} here: …`")
+    assert not (used and NO_EFFECT in line), f"{rel(path)}: the SEED line says '{NO_EFFECT}', but a cell reads SEED"

@@ -1,7 +1,8 @@
 """Every lecture and solution passes under papermill with knobs a learner would change (README: SEED, WORLD_SIZE).
 
-Each notebook runs once with another SEED and, if it launches ranks, another WORLD_SIZE in the same run; a notebook
-adds combinations in its metadata, e.g. `"course": {"matrix": [{"SEED": 7, "WORLD_SIZE": 3}]}`. Notebook 00 is also
+Each notebook runs once with another SEED and, if it has one, another WORLD_SIZE in the same run (a knob that no
+cell after the parameters reads is not varied: that run would repeat the default one); a notebook adds combinations
+in its metadata, e.g. `"course": {"matrix": [{"SEED": 7, "WORLD_SIZE": 3}]}`. Notebook 00 is also
 run with WORLD_SIZE = 0, which must fail at once with the allowed range.
 
 One test class per notebook, so `--dist loadscope` spreads the notebooks over the workers.
@@ -11,6 +12,7 @@ import ast
 import pytest
 
 from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, parameters_cells, read, rel
+from .test_knobs import _reads
 
 
 def _defaults(path) -> dict:
@@ -25,13 +27,23 @@ def _defaults(path) -> dict:
     return knobs
 
 
+def _read_after_parameters(path) -> set:
+    """The knobs that some code cell after the parameters cell reads."""
+    nb = read(path)
+    params = parameters_cells(nb)[0]
+    code = [c.source for c in nb.cells if c.cell_type == "code" and c is not params]
+    return {k for k in _defaults(path) if any(_reads(src, k) for src in code)}
+
+
 def matrix(path) -> list:
     """The knob combinations papermill runs `path` with."""
-    defaults = _defaults(path)
-    first = {"SEED": 3 if defaults.get("SEED") != 3 else 4}
-    if "WORLD_SIZE" in defaults:
+    defaults, used = _defaults(path), _read_after_parameters(path)
+    first = {}
+    if "SEED" in used:
+        first["SEED"] = 3 if defaults["SEED"] != 3 else 4
+    if "WORLD_SIZE" in used:
         first["WORLD_SIZE"] = 3 if defaults["WORLD_SIZE"] != 3 else 2
-    return [first] + list(read(path).metadata.get("course", {}).get("matrix", []))
+    return ([first] if first else []) + list(read(path).metadata.get("course", {}).get("matrix", []))
 
 
 def _execute(path, tmp_path, parameters):
@@ -46,6 +58,8 @@ def _ids(params: dict) -> str:
 
 def _make_class(path):
     combos = matrix(path)
+    if not combos:
+        return None
 
     @pytest.mark.notebooks
     @pytest.mark.parametrize("parameters", combos, ids=[_ids(c) for c in combos])
@@ -60,7 +74,8 @@ def _make_class(path):
 
 for _path in NOTEBOOKS + SOLUTIONS:
     _cls = _make_class(_path)
-    globals()[_cls.__name__] = _cls
+    if _cls is not None:
+        globals()[_cls.__name__] = _cls
 
 
 @pytest.mark.notebooks

@@ -377,3 +377,19 @@ def test_lab02_axis_bytes_from_the_even_split_formula_is_told_chunks_differ(lab0
                 "dp": round(2 * (nodes - 1) / nodes * S / gpus_per_node)}
     message = _fails_with(lab02_on_3x2.check_axis_bytes, hierarchical, even_split)
     assert "chunks differ" in message or "ring_reduce_scatter_bytes" in message, message
+
+
+def _ping(ctx, sizes, repeats):
+    from course_lib.dist.comm import ping_pong
+    t = ping_pong(ctx.comm, sizes, repeats)
+    return t, ctx.comm.ledger.bytes_sent(), ctx.comm.ledger.messages()
+
+
+def test_ping_pong_sends_every_size_once_per_round_plus_the_dropped_first_and_times_each():
+    sizes, repeats = [8, 4096, 1 << 20], 3
+    out = launch(_ping, 3, sizes, repeats, timeout=60)
+    for rank in (0, 1):
+        t, sent, msgs = out[rank]
+        assert len(t) == len(sizes) and all(0 < x < 1 for x in t), t
+        assert sent == (repeats + 1) * sum(sizes) and msgs == (repeats + 1) * len(sizes)
+    assert out[2] == ([], 0, 0), "a third rank takes no part"

@@ -111,12 +111,19 @@ class TransportMeasurement:
     cpu_bytes: int                        # bytes moved per path per round
     cpu_wall: dict                        # path -> (rounds,) wall seconds of each block
     verified: dict = field(default_factory=dict)   # path -> messages whose bytes the receiver compared, all equal
+    fastest: dict = field(default_factory=dict)    # path -> (repeats, n_sizes) fastest of the inner messages
     method: str = ("one-way + 1-byte ack; median over repeats; CPU from getrusage in rounds of one block per path, "
                    "the order reversed every round")
 
     def latency(self, path: str) -> np.ndarray:
         """Median seconds per message, per size."""
         return np.median(self.samples[path], axis=0)
+
+    def floor(self, path: str, at: int = 0) -> float:
+        """The fastest single message of size index `at` over every repeat, in seconds. A busy machine can only add
+        to a message's time, so the floor is the path's own cost; it needs one undisturbed message among all
+        repeats × inner messages, where a floor of the medians needs a whole undisturbed repeat."""
+        return float(self.fastest[path][:, at].min())
 
     def bandwidth(self, path: str) -> np.ndarray:
         """Bytes per second per size (size / median time)."""
@@ -336,6 +343,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
 
     try:
         samples = {p: np.zeros((repeats, len(sizes))) for p in paths}
+        fastest = {p: np.zeros((repeats, len(sizes))) for p in paths}
         # Paths interleaved at every size: the measurements compared with each other are milliseconds apart, so a
         # burst of load from another program (CPU or memory bandwidth) hits both sides of a ratio alike.
         for rep in range(warmup + repeats):
@@ -349,6 +357,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
                         dts.append(time.perf_counter() - t0)
                     if rep >= warmup:   # median of the inner messages: a preemption by another process is not α
                         samples[path][rep - warmup, i] = float(np.median(dts))
+                        fastest[path][rep - warmup, i] = min(dts)
         # CPU in rounds, one block per path per round, the order reversed every round: the blocks compared with
         # each other are adjacent in time, so load from other programs (which moves CPU seconds per byte through
         # caches, memory bandwidth and how the two ranks interleave) hits both sides of a paired ratio alike.
@@ -366,7 +375,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
     finally:
         sock.close()
     if sender:
-        return {"samples": samples, "cpu": cpu, "cpu_wall": cpu_wall, "verified": verified}
+        return {"samples": samples, "fastest": fastest, "cpu": cpu, "cpu_wall": cpu_wall, "verified": verified}
     return {"cpu": cpu, "verified": verified}
 
 
@@ -430,5 +439,5 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
     cpu = {p: {side: {"user": out[rank]["cpu"][p][:, 0], "sys": out[rank]["cpu"][p][:, 1]}
                for rank, side in enumerate(("sender", "receiver"))} for p in paths}
     return TransportMeasurement(np.array(sizes, dtype=float), paths, snd["samples"], cpu, cpu_bytes * cpu_messages,
-                                snd["cpu_wall"], verified)
+                                snd["cpu_wall"], verified, snd["fastest"])
 

@@ -33,6 +33,9 @@ def test_measurement_has_a_positive_time_per_repeat_and_size_and_cpu_per_round_f
     assert m.paths == T.PATHS and list(m.sizes) == [8, 1024, 2**20]
     for p in T.PATHS:
         assert m.samples[p].shape == (2, 3) and np.all(m.samples[p] > 0)
+        # the fastest message of a repeat is at most its median, and the floor is the fastest of them all
+        assert m.fastest[p].shape == (2, 3) and np.all(m.fastest[p] > 0) and np.all(m.fastest[p] <= m.samples[p])
+        assert m.floor(p, at=1) == m.fastest[p][:, 1].min() <= m.samples[p][:, 1].min()
         assert set(m.cpu[p]) == {"sender", "receiver"} and m.cpu_wall[p].shape == (3,)
         for side in m.cpu[p].values():
             assert side["user"].shape == side["sys"].shape == (3,)

@@ -297,8 +297,9 @@ def _reduce_op(op: str):
         raise ValueError(f"unknown reduction {op!r}; use one of {sorted(_OPS) + ['avg']}") from None
 
 
-def ping_pong(comm: Communicator, sizes, repeats: int, *, tag: str = "ping") -> list[float]:
-    """One-way time per message size between ranks 0 and 1 (half a round trip), the fastest of `repeats`.
+def ping_pong(ctx_or_comm, sizes, repeats: int, *, tag: str = "ping") -> list[float]:
+    """One-way time per message size between ranks 0 and 1 (half a round trip), the fastest of `repeats`. Takes a
+    Communicator or a rank's context, so it runs as a worker itself: `launch(ping_pong, 2, sizes, repeats)`.
 
     Measured in rounds, each visiting every size (in reverse order every other round), so that a burst of load on a
     shared machine hits all sizes alike instead of inflating the few measured during it; and the fastest repeat is
@@ -306,6 +307,7 @@ def ping_pong(comm: Communicator, sizes, repeats: int, *, tag: str = "ping") -> 
     once fitted a slope below zero (t = α + S·β with β ≤ 0) on a loaded 2-core machine. A first round opens the
     connections and is dropped. Ranks other than 0 and 1 return at once; call it on both.
     """
+    comm = getattr(ctx_or_comm, "comm", ctx_or_comm)
     if comm.rank > 1:
         return []
     other = 1 - comm.rank

@@ -381,7 +381,7 @@ def test_lab02_axis_bytes_from_the_even_split_formula_is_told_chunks_differ(lab0
 
 def _ping(ctx, sizes, repeats):
     from course_lib.dist.comm import ping_pong
-    t = ping_pong(ctx.comm, sizes, repeats)
+    t = ping_pong(ctx, sizes, repeats)
     return t, ctx.comm.ledger.bytes_sent(), ctx.comm.ledger.messages()
 
 

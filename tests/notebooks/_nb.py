@@ -1,4 +1,5 @@
 """Helpers shared by the notebook tests."""
+import ast
 import re
 from pathlib import Path
 
@@ -34,3 +35,19 @@ def is_check_cell(cell) -> bool:
 
 def launches_ranks(nb) -> bool:
     return any(c.cell_type == "code" and re.search(r"\blaunch\(", c.source) for c in nb.cells)
+
+
+def reads(source: str, name: str) -> bool:
+    """Whether the cell's code (magics translated, comments and strings ignored) reads `name`."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    try:
+        tree = ast.parse(TransformerManager().transform_cell(source))
+    except SyntaxError:
+        return re.search(rf"\b{name}\b", source) is not None
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(tree))
+
+
+def knob_is_read(nb, name: str) -> bool:
+    """Whether a code cell other than the parameters cell reads the knob `name`."""
+    params = parameters_cells(nb)[0]
+    return any(reads(c.source, name) for c in nb.cells if c.cell_type == "code" and c is not params)

@@ -5,7 +5,6 @@ Cheap by design (no training): for each notebook, a fresh IPython shell runs the
 would inject after it, and the cells up to the one that derives values from the knobs. One subprocess runs every
 notebook (torch is imported once); each notebook is its own test.
 """
-import ast
 import json
 import os
 import re
@@ -14,24 +13,14 @@ import sys
 import textwrap
 
 import pytest
-from IPython.core.inputtransformer2 import TransformerManager
 
-from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, assigned_names, parameters_cells, read, rel
+from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, assigned_names, knob_is_read, parameters_cells, read, reads, rel
 
 NO_EFFECT = "no effect"     # what the QUICK (or SEED) line of a notebook whose QUICK (SEED) changes nothing must say
 
 
 def _code_cells(nb):
     return [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-
-
-def _reads(source: str, name: str) -> bool:
-    """Whether the cell's code (magics translated, comments and strings ignored) reads `name`."""
-    try:
-        tree = ast.parse(TransformerManager().transform_cell(source))
-    except SyntaxError:
-        return re.search(rf"\b{name}\b", source) is not None
-    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(tree))
 
 
 def _plan(path):
@@ -41,7 +30,7 @@ def _plan(path):
     cells = _code_cells(nb)
     first = next(k for k, (i, _) in enumerate(cells) if nb.cells[i] is parameters_cells(nb)[0])
     after_guard = cells[first + 2:]
-    readers = [k for k, (_, src) in enumerate(after_guard) if _reads(src, "QUICK")]
+    readers = [k for k, (_, src) in enumerate(after_guard) if reads(src, "QUICK")]
     if not readers:
         return None, "no cell after the environment guard reads QUICK"
     return cells[first:first + 2] + after_guard[:readers[0] + 1], ""
@@ -55,8 +44,9 @@ def _knob_cell(path):
     return cells[first:first + 3]
 
 
-def _quick_line(path):
-    return next((ln for ln in parameters_cells(read(path))[0].source.splitlines() if re.match(r"QUICK\s*=", ln)), "")
+def _knob_line(path, name: str = "QUICK"):
+    """The line of the parameters cell that sets `name` (with its comment)."""
+    return next((ln for ln in parameters_cells(read(path))[0].source.splitlines() if re.match(rf"{name}\s*=", ln)), "")
 
 
 _RUNNER = textwrap.dedent(r"""
@@ -119,8 +109,8 @@ def runs(tmp_path_factory):
 def test_quick_false_changes_what_the_notebook_runs(path, runs):
     cells, why = _plan(path)
     if cells is None:
-        others = [i for i, src in _code_cells(read(path)) if _reads(src, "QUICK")]
-        assert NO_EFFECT in _quick_line(path) and not others, (
+        others = [i for i, src in _code_cells(read(path)) if reads(src, "QUICK")]
+        assert NO_EFFECT in _knob_line(path) and not others, (
             f"{rel(path)}: QUICK = False changes nothing ({why}). Derive what QUICK selects in the first cell after "
             f"the environment guard (`STEPS = STEPS or (60 if QUICK else 400)`), or, if nothing here is worth "
             f"shortening, say so on its line in the parameters cell: `QUICK = True  # {NO_EFFECT} here: …`")
@@ -132,7 +122,7 @@ def test_quick_false_changes_what_the_notebook_runs(path, runs):
     assert changed, (f"{rel(path)}: with QUICK = False papermill's run derives the same values as with QUICK = True "
                      f"(cell {cells[-1][0]} reads QUICK but nothing in UPPERCASE changed): derive the QUICK-dependent "
                      f"sizes there, from the knobs")
-    assert NO_EFFECT not in _quick_line(path), f"{rel(path)}: the QUICK line says '{NO_EFFECT}', but it changes {changed}"
+    assert NO_EFFECT not in _knob_line(path), f"{rel(path)}: the QUICK line says '{NO_EFFECT}', but it changes {changed}"
 
 
 @pytest.mark.notebooks
@@ -150,10 +140,7 @@ def test_world_size_0_is_refused_before_anything_runs_with_the_allowed_range(pat
 def test_a_seed_that_nothing_reads_says_so_on_its_line(path):
     """The papermill matrix skips a SEED no cell reads (that run would repeat the default), so the knob must not
     promise what it does not do."""
-    nb = read(path)
-    params = parameters_cells(nb)[0]
-    line = next((ln for ln in params.source.splitlines() if re.match(r"SEED\s*=", ln)), "")
-    used = any(_reads(c.source, "SEED") for c in nb.cells if c.cell_type == "code" and c is not params)
+    line, used = _knob_line(path, "SEED"), knob_is_read(read(path), "SEED")
     assert used or NO_EFFECT in line, (f"{rel(path)}: no cell reads SEED; say so on its line in the parameters cell: "
                                        f"`SEED = 0  # {NO_EFFECT} here: …`")
     assert not (used and NO_EFFECT in line), f"{rel(path)}: the SEED line says '{NO_EFFECT}', but a cell reads SEED"

@@ -11,8 +11,7 @@ import ast
 
 import pytest
 
-from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, parameters_cells, read, rel
-from .test_knobs import _reads
+from ._nb import NOTEBOOKS, ROOT, SOLUTIONS, knob_is_read, parameters_cells, read, rel
 
 
 def _defaults(path) -> dict:
@@ -27,23 +26,16 @@ def _defaults(path) -> dict:
     return knobs
 
 
-def _read_after_parameters(path) -> set:
-    """The knobs that some code cell after the parameters cell reads."""
-    nb = read(path)
-    params = parameters_cells(nb)[0]
-    code = [c.source for c in nb.cells if c.cell_type == "code" and c is not params]
-    return {k for k in _defaults(path) if any(_reads(src, k) for src in code)}
-
-
 def matrix(path) -> list:
     """The knob combinations papermill runs `path` with."""
-    defaults, used = _defaults(path), _read_after_parameters(path)
+    defaults, nb = _defaults(path), read(path)
+    used = {k for k in ("SEED", "WORLD_SIZE") if k in defaults and knob_is_read(nb, k)}
     first = {}
     if "SEED" in used:
         first["SEED"] = 3 if defaults["SEED"] != 3 else 4
     if "WORLD_SIZE" in used:
         first["WORLD_SIZE"] = 3 if defaults["WORLD_SIZE"] != 3 else 2
-    return ([first] if first else []) + list(read(path).metadata.get("course", {}).get("matrix", []))
+    return ([first] if first else []) + list(nb.metadata.get("course", {}).get("matrix", []))
 
 
 def _execute(path, tmp_path, parameters):

@@ -26,7 +26,7 @@ while [ "$i" -le "$runs" ]; do
     if make test > "soak-$i.log" 2>&1; then
         passed=$((passed + 1)); verdict=passed
     else
-        failed=$((failed + 1)); verdict="FAILED ($(grep -E '^(FAILED|ERROR) ' "soak-$i.log" | head -3 | tr '\n' ' '))"
+        failed=$((failed + 1)); verdict="FAILED ($(grep -E '^_{3,} .+ _{3,}$' "soak-$i.log" | sed -E 's/^_+ (.+) _+$/\1/' | head -3 | tr '\n' ' '))"
     fi
     echo "run $i of $runs: $verdict in $(( $(date +%s) - start )) s ($(tail -n 1 "soak-$i.log" | tr -d '=' | sed 's/^ *//'))"
     i=$((i + 1))

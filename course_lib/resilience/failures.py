@@ -1,7 +1,7 @@
 """How often to checkpoint (Young, Daly), a seeded simulation of failures, and a fault to inject into a real run.
 
 With δ the time a checkpoint costs the job, M the mean time between failures, R the restart cost and τ the
-compute between checkpoints (docs/formulas.md §8.3):
+compute between checkpoints (docs/formulas.md §8.3, which also derives the exact expectation below):
 
     Young (CACM 1974)           τ = √(2δM)                                   (minimizes δ/τ + (τ/2 + R)/M)
     Daly (FGCS 2006)            τ = √(2δM)·[1 + ⅓·√(δ/2M) + ⅑·(δ/2M)] − δ    for δ < 2M, else τ = M
@@ -56,18 +56,29 @@ def expected_goodput(work: float, tau: float, delta: float, mtbf: float, restart
 
 
 def best_interval(work: float, delta: float, mtbf: float, restart: float) -> float:
-    """τ that maximizes the exact expected goodput (golden-section search on log τ)."""
-    lo, hi = math.log(max(delta, 1e-9) * 1e-3 + 1e-12), math.log(work)
-    f = lambda x: -expected_goodput(work, math.exp(x), delta, mtbf, restart)
+    """τ that maximizes the exact expected goodput of `work` seconds of compute: work / n for the best whole n.
+
+    A job of n segments costs least when they are equal (E[T(s)] is convex in s), so the optimum is τ = work / n
+    for some whole n. Between work / n and work / (n − 1) the last segment is a short one that still pays a whole δ,
+    so goodput(τ) is a saw with a tooth at every work / n, and a search over τ can stop on the wrong tooth. Over n,
+    the expected time n · E[T(work/n + δ)] = work · E[T(τ + δ)] / τ is convex: its continuous minimum is the
+    steady-state optimum τ∞ (the one Young and Daly approximate; always below M, where ∂/∂τ vanishes at
+    τ/M = 1 − e^(−(τ+δ)/M); found by golden-section search on log τ), and the best whole n is the floor or the
+    ceiling of work / τ∞.
+    """
+    _positive(work=work, mtbf=mtbf)
+    cost = lambda tau: (mtbf + restart) * math.expm1((tau + delta) / mtbf) / tau     # time per second of work
+    a, b = math.log(max(delta, 1e-9) * 1e-3), math.log(mtbf)
     g = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
     for _ in range(200):
         c, d = b - g * (b - a), a + g * (b - a)
-        if f(c) < f(d):
+        if cost(math.exp(c)) < cost(math.exp(d)):
             b = d
         else:
             a = c
-    return math.exp((a + b) / 2)
+    n = work / math.exp((a + b) / 2)
+    whole = {max(1, math.floor(n)), max(1, math.ceil(n))}
+    return max((work / k for k in whole), key=lambda tau: expected_goodput(work, tau, delta, mtbf, restart))
 
 
 def simulate_goodput(tau: float, delta: float, mtbf: float, restart: float, work: float, *, runs: int = 1000,

@@ -52,6 +52,29 @@ def test_the_optimum_sits_where_young_and_daly_put_it_when_delta_is_small():
     assert g(best) >= max(g(best * 0.9), g(best * 1.1))
 
 
+@pytest.mark.parametrize("work, delta, mtbf, restart", [
+    (600.0, 0.068157, 30.0, 2.0),      # a golden-section search over τ stopped on the tooth at 600/320 here: 5 % off
+    (600.0, 0.27160, 30.0, 2.0), (300.0, 0.05, 30.0, 2.0), (86400.0 * 10, 56.0, 180.0, 600.0), (10.0, 0.1, 30.0, 2.0),
+    (100.0, 50.0, 10.0, 1.0)])
+def test_the_optimum_is_the_best_whole_number_of_segments(work, delta, mtbf, restart):
+    g = lambda tau: expected_goodput(work, tau, delta, mtbf, restart)
+    best = best_interval(work, delta, mtbf, restart)
+    n = round(work / best)
+    assert best == work / n
+    young = young_interval(delta, mtbf)
+    lo, hi = max(1, int(work / (5 * young))), int(5 * work / young) + 1           # every whole n with τ in √(2δM)·[⅕, 5]
+    assert g(best) >= max(g(work / k) for k in range(lo, hi + 1))
+    assert all(g(best) >= g(best * f) for f in np.linspace(0.5, 2, 61))                 # and no τ in between beats it
+
+
+def test_daly_is_within_5_percent_of_the_optimum_whenever_delta_is_under_one_percent_of_m():
+    # what notebook 10 asserts of every row, for whatever δ its machine measures: a job of 20 M, δ/M from 10⁻⁷ to 10⁻²
+    mtbf, restart = 30.0, 2.0
+    for delta in np.geomspace(3e-6, 0.3, 3000):
+        best = best_interval(20 * mtbf, float(delta), mtbf, restart)
+        assert abs(daly_interval(float(delta), mtbf) / best - 1) < 0.05, delta
+
+
 def test_the_simulated_optimum_is_the_best_point_of_a_grid_within_noise():
     delta, mtbf, restart, work = 0.05, 30.0, 2.0, 300.0
     grid = np.geomspace(0.2, 10, 13)

@@ -67,7 +67,7 @@ def best_interval(work: float, delta: float, mtbf: float, restart: float) -> flo
     ceiling of work / τ∞.
     """
     _positive(work=work, mtbf=mtbf)
-    cost = lambda tau: (mtbf + restart) * math.expm1((tau + delta) / mtbf) / tau     # time per second of work
+    cost = lambda tau: expected_time(tau, tau, delta, mtbf, restart) / tau   # steady state: time per second of work
     a, b = math.log(max(delta, 1e-9) * 1e-3), math.log(mtbf)
     g = (math.sqrt(5) - 1) / 2
     for _ in range(200):

@@ -28,13 +28,11 @@ work: see `state.py`. The cost of a save is δ in Young's interval √(2δM) (do
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
 import re
 import shutil
-import threading
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from ..files import atomic_write, disk_full, fsync_dir  # noqa: F401  (re-exported: notebook 10 and lab 10 use them here)
 from ..memory import alloc_category, now, placed
 from .state import CHECKPOINT, Piece, ResumedBatches, TrainingState, data_position, rng_state, set_rng_state, \
     training_state
@@ -86,61 +85,6 @@ def list_checkpoints(root) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()] \
         if root.is_dir() else []
     return sorted(found, reverse=True)
-
-
-# ============================================================================================ atomic files
-_disk_left: list = []          # a stack of byte budgets that `disk_full` sets (empty: the disk is never full)
-
-
-@contextlib.contextmanager
-def disk_full(after_bytes: int = 0):
-    """Inside the block, checkpoint writes of this process fail with ENOSPC ("No space left on device") once
-    `after_bytes` more bytes were written: the fault a full disk causes, injected where it would happen."""
-    _disk_left.append(int(after_bytes))
-    try:
-        yield
-    finally:
-        _disk_left.pop()
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
-    while len(view):
-        n = len(view)
-        if _disk_left:
-            if _disk_left[-1] <= 0:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            n = min(n, _disk_left[-1])
-            _disk_left[-1] -= n
-        view = view[os.write(fd, view[:n]):]
-
-
-def fsync_dir(path) -> None:
-    """Make the directory entry changes (creates, renames) in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path, data) -> None:
-    """Write `data` to `path` so that a crash leaves the old file or the new one, never a part of either."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)                 # the bytes reach the disk before any name points at them
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)            # atomic: a reader sees the old file or the new one
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)               # the rename is durable once the directory is
 
 
 def _sha256(data) -> str:

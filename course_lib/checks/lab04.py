@@ -25,7 +25,7 @@ from ..dist.collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_s
 from ..dist.launch import LaunchError, launch
 from ..memory import untracked
 from ..model import GPT, get_config
-from ..parallel.compose import data_parallel_batches
+from ..dist.mesh import data_parallel_batches
 from ..train import MemoryProbe, Probe, TrainConfig, make_optimizer, run
 from ..data import ShardedBatches
 from . import check

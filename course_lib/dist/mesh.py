@@ -133,10 +133,11 @@ class Mesh:
 
     def batches(self, seq_len: int, micro_batch_size: int, *, accum_steps: int = 1, seed: int = 0,
                 split: str = "train"):
-        """This rank's share of every global batch: split by dp rank only (tp and pp peers get the same data)."""
-        from ..data import ShardedBatches
-        return ShardedBatches(seq_len, micro_batch_size, self.sizes["dp"], self.dp_rank, accum_steps, seed=seed,
-                              split=split)
+        """This rank's share of every global batch of dp_size × accum_steps micro-batches of `micro_batch_size`
+        sequences: split by dp rank only (tp and pp peers get the same data). `data_parallel_batches` with the
+        global batch instead."""
+        return data_parallel_batches(self, seq_len, micro_batch_size * self.sizes["dp"] * accum_steps,
+                                     accum_steps=accum_steps, seed=seed, split=split)
 
     def __repr__(self) -> str:
         sizes = " × ".join(f"{a}={self.sizes[a]}" for a in AXES)
@@ -144,4 +145,29 @@ class Mesh:
         return f"Mesh({sizes}; rank {self.rank} at {coords})"
 
 
-__all__ = ["Mesh", "AXES"]
+def axis_comm(mesh_or_comm, axis: str = "dp") -> Communicator:
+    """The communicator of `axis` from a Mesh, or a Communicator used as it is (a 1-D mesh)."""
+    if isinstance(mesh_or_comm, Mesh):
+        return mesh_or_comm[axis]
+    if isinstance(mesh_or_comm, Communicator):
+        return mesh_or_comm
+    raise TypeError(f"expected a course_lib.dist.mesh.Mesh or a Communicator (ctx.comm inside launch), got "
+                    f"{type(mesh_or_comm).__name__}")
+
+
+def data_parallel_batches(mesh_or_comm, seq_len: int, global_batch_size: int, *, accum_steps: int = 1,
+                          seed: int = 0, split: str = "train"):
+    """This rank's share of each global batch of `global_batch_size` sequences, split over the dp ranks (the one
+    batch splitter of the course: every technique, lab check and test gets its data here)."""
+    from ..data import ShardedBatches
+    comm = axis_comm(mesh_or_comm, "dp")
+    n = comm.world_size * accum_steps
+    if global_batch_size % n:
+        raise ValueError(f"global batch {global_batch_size} does not split evenly over {comm.world_size} dp rank(s) × "
+                         f"{accum_steps} micro-step(s); use a multiple of {n}")
+    dp_rank = mesh_or_comm.dp_rank if isinstance(mesh_or_comm, Mesh) else comm.rank
+    return ShardedBatches(seq_len, global_batch_size // n, comm.world_size, dp_rank, accum_steps, seed=seed,
+                          split=split)
+
+
+__all__ = ["Mesh", "AXES", "axis_comm", "data_parallel_batches"]

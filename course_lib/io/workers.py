@@ -36,7 +36,7 @@ def stream_worker(ctx, access, bucket: str, index: ShardIndex, *, micro_batch_si
     stream.close()
     if train_steps:
         from ..model import GPT
-        from ..parallel.compose import apply_dp
+        from ..parallel.dp import apply_dp
         from ..train import make_optimizer, run
         model = apply_dp(GPT(cfg, seed=tc.seed), ctx.comm, kind="bucket")
         with StreamingBatches(source, index, micro_batch_size=micro_batch_size, dp=ctx.comm, seed=seed,

@@ -963,14 +963,14 @@ def apply_offload(model: nn.Module, mesh=None, *, activations: bool = True, opti
         kwargs = dict(tier=optimizer, log=log, **optimizer_kwargs)
         dp = None
         if mesh is not None:
-            from ..parallel.compose import axis_comm
+            from ..dist.mesh import axis_comm
             dp = axis_comm(mesh, "dp")
         if dp is not None and dp.world_size > 1:
             if zero_stage not in (1, 2):
                 raise ValueError(f"offload composes with ZeRO stage 1 or 2 (each rank offloads the optimizer state "
                                  f"of its shard), got zero_stage={zero_stage!r}; ZeRO-3 offload (parameters too) "
                                  f"is not built here")
-            from ..parallel.compose import apply_zero
+            from ..parallel.zero import apply_zero
             model, opt = apply_zero(model, mesh, zero_stage, optimizer_cls=OffloadAdam,
                                     bucket_cap_bytes=bucket_cap_bytes, **kwargs)
         else:

@@ -18,78 +18,15 @@ Later notebooks add their `apply_*` here.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
-from ..dist.comm import Communicator
-from ..dist.mesh import Mesh
+from ..dist.mesh import axis_comm, data_parallel_batches  # noqa: F401  (re-exported: notebooks import them here)
 from ..memopt.precision import apply_precision  # noqa: F401  step 4 (notebook 09), re-exported for the capstone
 from ..memopt.recompute import apply_recompute  # noqa: F401  step 3 (notebook 08), re-exported for the capstone
-from . import dp as D
-from .fsdp import FSDP
+from .dp import DP_KINDS, apply_dp  # noqa: F401  5. data parallelism over dp (notebook 03)
+from .fsdp import apply_fsdp  # noqa: F401  5. ZeRO-3 / FSDP over dp (notebook 04)
 from .pipeline import apply_pipeline  # 2. pipeline split over pp (notebook 05): (stage, step_fn for train.run)
-from .zero import DEFAULT_BUCKET_CAP_BYTES, ShardedOptimizer
-
-DP_KINDS = {"naive": D.DataParallelNaive, "bucket": D.DataParallelBucket, "overlap": D.DataParallelOverlap}
-STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-
-
-def axis_comm(mesh_or_comm, axis: str = "dp") -> Communicator:
-    """The communicator of `axis` from a Mesh, or a Communicator used as it is (a 1-D mesh)."""
-    if isinstance(mesh_or_comm, Mesh):
-        return mesh_or_comm[axis]
-    if isinstance(mesh_or_comm, Communicator):
-        return mesh_or_comm
-    raise TypeError(f"expected a course_lib.dist.mesh.Mesh or a Communicator (ctx.comm inside launch), got "
-                    f"{type(mesh_or_comm).__name__}")
-
-
-def data_parallel_batches(mesh_or_comm, seq_len: int, global_batch_size: int, *, accum_steps: int = 1,
-                          seed: int = 0):
-    """This rank's share of each global batch of `global_batch_size` sequences, split over the dp ranks."""
-    from ..data import ShardedBatches
-    comm = axis_comm(mesh_or_comm, "dp")
-    n = comm.world_size * accum_steps
-    if global_batch_size % n:
-        raise ValueError(f"global batch {global_batch_size} does not split evenly over {comm.world_size} dp rank(s) × "
-                         f"{accum_steps} micro-step(s); use a multiple of {n}")
-    dp_rank = mesh_or_comm.dp_rank if isinstance(mesh_or_comm, Mesh) else comm.rank
-    return ShardedBatches(seq_len, global_batch_size // n, comm.world_size, dp_rank, accum_steps, seed=seed)
-
-
-def apply_dp(model: nn.Module, mesh_or_comm, *, kind: str = "bucket", **options) -> nn.Module:
-    """Data parallelism over the dp axis: kind 'naive' | 'bucket' | 'overlap' (course_lib.parallel.dp)."""
-    try:
-        cls = DP_KINDS[kind]
-    except KeyError:
-        raise ValueError(f"unknown data-parallel kind {kind!r}; use one of {sorted(DP_KINDS)}") from None
-    return cls(model, axis_comm(mesh_or_comm, "dp"), **options)
-
-
-def apply_fsdp(model: nn.Module, mesh_or_comm, *, units=None, **options) -> FSDP:
-    """ZeRO-3 / FSDP over the dp axis; units default to the model's blocks when it has them (the course GPT)."""
-    if units is None and hasattr(model, "blocks"):
-        units = model.blocks
-    return FSDP(model, axis_comm(mesh_or_comm, "dp"), units=units, **options)
-
-
-def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, optimizer_cls=torch.optim.AdamW,
-               bucket_cap_bytes: int | None = DEFAULT_BUCKET_CAP_BYTES, fsdp_options: dict | None = None,
-               **optimizer_kwargs):
-    """(model, optimizer) for ZeRO stage 0 (= DDP, bucketed), 1, 2 or 3 (= FSDP) over the dp axis — the one place
-    the course builds a ZeRO stage. Train with `course_lib.train.run(model, optimizer, batches, ...)`."""
-    if stage not in STAGE_NAMES:
-        raise ValueError(f"ZeRO stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
-    comm = axis_comm(mesh_or_comm, "dp")
-    if stage == 0:
-        model = D.DataParallelBucket(model, comm, bucket_cap_bytes=bucket_cap_bytes or _whole(model))
-    elif stage == 3:
-        model = apply_fsdp(model, comm, **(fsdp_options or {}))
-    else:
-        opt = ShardedOptimizer(model.parameters(), optimizer_cls, comm, stage=stage, bucket_cap_bytes=bucket_cap_bytes,
-                               **optimizer_kwargs)
-        return model, opt
-    return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
+from .zero import STAGE_NAMES, apply_zero  # noqa: F401  5. ZeRO stages 0-3 over dp (notebook 04)
 
 
 def train_parallel(mesh_or_comm, cfg, tc, wrap, *, model: nn.Module | None = None, probes=(), accum_steps: int = 1,
@@ -115,11 +52,6 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap, *, model: nn.Module | None = Non
         if hasattr(wrapped, "close"):      # the overlapped DDP's communication thread
             wrapped.close()
     return out, wrapped
-
-
-def _whole(model: nn.Module) -> int:
-    """A cap that puts every parameter into one bucket."""
-    return max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)

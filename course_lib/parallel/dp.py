@@ -44,6 +44,7 @@ from ..dist import collectives
 from ..dist.collectives import chunk_sizes
 from ..dist.comm import Communicator
 from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params
+from ..dist.mesh import axis_comm
 from ..memory import alloc_category, carry_tracking
 
 GRAD_TAG = "ddp_grad"            # ledger tag of the per-step gradient all-reduces
@@ -326,6 +327,18 @@ def packs_before_backward_end(events) -> int:
     return sum(1 for e in events if e.kind == "compute" and e.op.startswith("pack ") and e.t1 <= end)
 
 
-__all__ = ["DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",
+DP_KINDS = {"naive": DataParallelNaive, "bucket": DataParallelBucket, "overlap": DataParallelOverlap}
+
+
+def apply_dp(model: nn.Module, mesh_or_comm, *, kind: str = "bucket", **options) -> nn.Module:
+    """Data parallelism over the dp axis: kind 'naive' | 'bucket' | 'overlap' (course_lib.parallel.dp)."""
+    try:
+        cls = DP_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown data-parallel kind {kind!r}; use one of {sorted(DP_KINDS)}") from None
+    return cls(model, axis_comm(mesh_or_comm, "dp"), **options)
+
+
+__all__ = ["apply_dp", "DP_KINDS", "DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",
            "ring_all_reduce_messages", "ddp_bytes_per_step", "ddp_messages_per_step", "DEFAULT_BUCKET_CAP_BYTES",
            "GRAD_TAG", "BROADCAST_TAG", "ALGORITHMS", "packs_before_backward_end"]

@@ -46,6 +46,7 @@ import torch.nn as nn
 from ..dist.collectives import reduce_scatter_ring
 from ..dist.comm import wait_all
 from ..dist.flat import FlatBuffer, broadcast_tensors
+from ..dist.mesh import axis_comm
 from ..memory import alloc_category, saved_tensors_hooks_over
 
 
@@ -388,3 +389,10 @@ class FSDP(nn.Module):
         finally:
             self.compute_dtype = saved
         return {k: out[k] for k in self._state_dict_keys}
+
+
+def apply_fsdp(model: nn.Module, mesh_or_comm, *, units=None, **options) -> FSDP:
+    """ZeRO-3 / FSDP over the dp axis; units default to the model's blocks when it has them (the course GPT)."""
+    if units is None and hasattr(model, "blocks"):
+        units = model.blocks
+    return FSDP(model, axis_comm(mesh_or_comm, "dp"), units=units, **options)

@@ -31,10 +31,14 @@ K = number of buckets = tensors the inner optimizer steps, each with AdamW's 4-b
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from ..dist.collectives import all_gather_ring, reduce_scatter_ring
 from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
+from ..dist.mesh import axis_comm
 from ..memory import alloc_category
+from .dp import DataParallelBucket
+from .fsdp import apply_fsdp
 
 DEFAULT_BUCKET_CAP_BYTES = 256 * 1024
 
@@ -186,3 +190,30 @@ class ShardedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, optimizer_cls=torch.optim.AdamW,
+               bucket_cap_bytes: int | None = DEFAULT_BUCKET_CAP_BYTES, fsdp_options: dict | None = None,
+               **optimizer_kwargs):
+    """(model, optimizer) for ZeRO stage 0 (= DDP, bucketed), 1, 2 or 3 (= FSDP) over the dp axis — the one place
+    the course builds a ZeRO stage. Train with `course_lib.train.run(model, optimizer, batches, ...)`."""
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"ZeRO stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    comm = axis_comm(mesh_or_comm, "dp")
+    if stage == 0:
+        model = DataParallelBucket(model, comm, bucket_cap_bytes=bucket_cap_bytes or _whole(model))
+    elif stage == 3:
+        model = apply_fsdp(model, comm, **(fsdp_options or {}))
+    else:
+        opt = ShardedOptimizer(model.parameters(), optimizer_cls, comm, stage=stage, bucket_cap_bytes=bucket_cap_bytes,
+                               **optimizer_kwargs)
+        return model, opt
+    return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
+
+
+def _whole(model: nn.Module) -> int:
+    """A cap that puts every parameter into one bucket."""
+    return max(1, sum(p.numel() * p.element_size() for p in model.parameters()))

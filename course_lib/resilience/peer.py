@@ -221,7 +221,8 @@ def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: i
     SIGKILLed in that step's backward (`note`: a file that receives the time of death). Returns this rank's final
     state pieces, the step it started from, where its state came from, and timings (perf_counter)."""
     from ..model import GPT
-    from ..parallel.compose import apply_zero, data_parallel_batches
+    from ..dist.mesh import data_parallel_batches
+    from ..parallel.zero import apply_zero
     from ..train import optimizer_kwargs, run
     from .checkpoint import CheckpointError
     from .failures import KillAt

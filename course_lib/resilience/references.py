@@ -39,7 +39,8 @@ from pathlib import Path
 
 from ..data import ShardedBatches
 from ..model import GPT, get_config
-from ..parallel.compose import apply_zero, data_parallel_batches
+from ..dist.mesh import data_parallel_batches
+from ..parallel.zero import apply_zero
 from ..train import TrainConfig, make_optimizer, optimizer_kwargs, run
 from .async_ckpt import CheckpointProbe
 from .checkpoint import list_checkpoints, load, save

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...dist.mesh import axis_comm
 from ...memory import now
 from ...model import GPTConfig, get_config
 from .schedules import Op, Schedule, make_schedule
@@ -223,7 +224,6 @@ def apply_pipeline(model, mesh_or_comm, *, num_microbatches: int, schedule="1f1b
     """Cut `model` (the course GPT) into pipeline stages over the mesh's pp axis; return (this rank's
     `PipelineStage`, its `Pipeline` step_fn for `train.run`). Apply data parallelism to the stage afterwards
     (`compose.apply_dp(stage, mesh)`): it reduces the stage's gradients over dp."""
-    from ..compose import axis_comm
     comm = axis_comm(mesh_or_comm, "pp")
     plan = plan_pipeline(model.config, comm.world_size, num_microbatches, schedule, chunks=chunks, layers=layers)
     stage = PipelineStage(model, plan.schedule.stages_of(comm.rank), plan.bounds, plan.schedule.num_virtual_stages)
@@ -241,7 +241,9 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
     PipelineStage, its Pipeline); `pipeline.data_parallel` is the DDP wrapper (or None)."""
     from ...model import GPT
     from ...train import make_optimizer, optimizer_kwargs, run
-    from ..compose import apply_dp, apply_recompute, apply_zero
+    from ...memopt.recompute import apply_recompute
+    from ..dp import apply_dp
+    from ..zero import apply_zero
     dp, M = mesh.size("dp"), num_microbatches
     if tc.batch_size % (dp * M):
         raise ValueError(f"global batch {tc.batch_size} does not split into dp={dp} × M={M} micro-batches of equal "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ...dist.mesh import axis_comm
 from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...model import GPT
 from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
@@ -159,7 +160,6 @@ def apply_tp(model: GPT, mesh_or_comm, *, sequence_parallel: bool = False, regat
     (Korthikanti et al.) splits the LayerNorm regions along the sequence; `regather` keeps only a slice of each
     region's input for backward (and gathers it again there). `pad_vocab` pads a vocabulary tp_size does not divide.
     """
-    from ..compose import axis_comm        # here: compose re-exports apply_tp
     if not isinstance(model, GPT):
         raise TypeError(f"apply_tp rewrites the course GPT (course_lib.model.GPT), got {type(model).__name__}")
     comm = axis_comm(mesh_or_comm, "tp")

@@ -275,17 +275,48 @@ def block_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int
     return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 4 * elem_bytes * B * T + T * T + dropout
 
 
-def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
-    """Bytes the whole GPT saves for backward in one forward with separate input and target tensors:
-    every block, plus the head (ln_f input and output, log-softmax output of width V, LN stats), the int64 token
-    ids and targets, the int64 positions, and cross-entropy's total weight (one element); with dropout > 0 also the
-    embedding dropout's mask (width d)."""
+def embed_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
+                           elem_bytes: int = 4) -> int:
+    """Bytes the embedding saves for backward: the int64 token ids and positions, and with dropout > 0 the
+    embedding dropout's mask (width d, in the activation's dtype)."""
     c = get_config(cfg)
     B, T = batch_size, seq_len or c.seq_len
-    head = elem_bytes * B * T * (2 * c.d_model + c.vocab_size + 2)      # ln_f in/out, log-softmax, ln_f stats
-    ids = 8 * B * T * 2 + 8 * T + elem_bytes        # int64 ids, targets, positions; cross-entropy's total weight
-    embed_dropout = elem_bytes * B * T * c.d_model if c.dropout > 0 else 0
-    return c.n_layer * block_activation_bytes(c, B, T, elem_bytes) + head + ids + embed_dropout
+    return 8 * B * T + 8 * T + (elem_bytes * B * T * c.d_model if c.dropout > 0 else 0)
+
+
+def head_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
+                          elem_bytes: int = 4) -> int:
+    """Bytes the head and the loss save for backward: ln_f's input and output, its mean and rstd (in the input's
+    dtype on CPU), the log-softmax output of width V, the int64 targets and cross-entropy's total weight (one
+    element)."""
+    c = get_config(cfg)
+    B, T = batch_size, seq_len or c.seq_len
+    return elem_bytes * B * T * (2 * c.d_model + c.vocab_size + 2) + 8 * B * T + elem_bytes
+
+
+def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
+    """Bytes the whole GPT saves for backward in one forward with separate input and target tensors: the
+    embedding's (`embed_activation_bytes`), every block's (`block_activation_bytes`), the head's and the loss's
+    (`head_activation_bytes`) — the one count that pipeline stages, recomputation plans and offload split up."""
+    c = get_config(cfg)
+    B, T = batch_size, seq_len or c.seq_len
+    return (embed_activation_bytes(c, B, T, elem_bytes) + c.n_layer * block_activation_bytes(c, B, T, elem_bytes)
+            + head_activation_bytes(c, B, T, elem_bytes))
+
+
+def blocks_of(model: nn.Module) -> list:
+    """The transformer blocks `model` runs, in order — the one answer to "which blocks does this model run": a GPT's
+    or TensorParallelGPT's `blocks` (a ModuleList), a pipeline stage's (a ModuleDict keyed by the GPT's block
+    index: its values, not its keys), or those of the model inside a wrapper (`.module`)."""
+    while not hasattr(model, "blocks") and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    if isinstance(blocks, (nn.ModuleList, list, tuple)):
+        return list(blocks)
+    raise TypeError(f"{type(model).__name__} has no transformer blocks (`.blocks`): pass the course GPT, its "
+                    f"tensor-parallel form, a pipeline stage, or a wrapper around one of them")
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -45,6 +45,7 @@ from ..costmodel import Link, get_link
 from ..dist.comm import Event, Ledger
 from ..memory import (active_trackers, alloc_category, carry_tracking, fmt_bytes, now, placed,
                       saved_tensors_hooks_over)
+from ..optim import adamw_  # noqa: F401  (the one AdamW step; re-exported: notebook 07 shows it here)
 
 DEFAULT_LINK = "PCIe Gen4 x16"
 
@@ -465,25 +466,6 @@ def save_on_cpu_traffic(model: nn.Module, batch) -> dict:
 
 
 # ============================================================================================ 2. ZeRO-Offload
-def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, *,
-           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """One AdamW step on one tensor, in place (Loshchilov & Hutter, ICLR 2019), in the order of operations of
-    torch.optim.AdamW's single-tensor path — so the CPU step can be checked bit for bit against torch's:
-
-        θ ← θ·(1 − lr·λ);  m ← m + (1 − β₁)(g − m);  v ← β₂·v + (1 − β₂)·g²
-        θ ← θ − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
-    """
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
-
-
 TIERS = ("device", "host", "disk")
 
 

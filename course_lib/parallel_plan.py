@@ -1,0 +1,167 @@
+"""`ParallelPlan`: every parallelism and memory technique of the course, as one frozen description of a training
+step — and `check`, which says before any rank starts whether the combination can work, and if not, what to change.
+
+    plan = ParallelPlan(pp=2, dp=2, tp=2, zero=1, schedule="1f1b", microbatches=4, recompute="selective",
+                        precision="bf16")
+    plan.check(get_config("nano"), world_size=8, batch_size=16)     # raises PlanError, one line, naming the fix
+
+The fields, and the notebook that builds each technique:
+
+    dp, tp, pp          mesh axis sizes (pp × dp × tp, tp innermost: `course_lib.dist.mesh`)          03, 06, 05
+    zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
+    fsdp_replicate      with zero=3: parameters left whole on every dp rank ('norms+biases', or a
+                        size in elements below which a parameter is not sharded)                      04
+    schedule, chunks    pipeline schedule ('gpipe' | '1f1b' | 'interleaved' | 'zb_h1') and virtual
+                        stages per rank (interleaved only)                                            05
+    microbatches        M: each dp rank splits its share of a step into M micro-batches; with pp > 1
+                        the pipeline runs them, with pp = 1 they are accumulated (gradient
+                        accumulation) before one reduction                                             03, 05
+    sequence_parallel   Korthikanti's SP inside the tp group (LayerNorm regions split along T)         06
+    recompute           None | 'full' | 'selective' | 'every' | 'sqrt' (activation recomputation)      08
+    precision           None (the model's own dtype, e.g. float64 for exact checks) | 'fp32' | 'bf16'
+                        | 'fp16' (fp32 master weights; fp16 with a dynamic loss scale)                 09
+    offload_activations vDNN-style activation offload of the blocks that run here                      07
+    offload_optimizer   None | 'host' (ZeRO-Offload) | 'disk' (ZeRO-Infinity's SSD tier)              07
+
+`check` only reads sizes: it needs the model config, the world size and (optionally) the global batch, never a
+rank, so a notebook, a test or `parallelize` itself calls it first and nothing waits on a rank that was never
+going to work. Every combination the course cannot run is refused here, with the reason (e.g. ZeRO-3 inside a
+pipeline: it would all-gather every stage's parameters once per micro-batch).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+RECOMPUTE = ("full", "selective", "every", "sqrt")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZER_TIERS = ("host", "disk")
+REPLICATE = ("norms+biases",)
+
+
+class PlanError(ValueError):
+    """A plan that cannot work; the message names the parameter and the fix."""
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"ParallelPlan.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    fsdp_replicate: "str | int | None" = None
+    schedule: str = "1f1b"
+    chunks: int = 1
+    microbatches: int = 1
+    sequence_parallel: bool = False
+    recompute: str | None = None
+    precision: str | None = None
+    offload_activations: bool = False
+    offload_optimizer: str | None = None
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "chunks", "microbatches"):
+            _positive_int(name, getattr(self, name))
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise PlanError(f"ParallelPlan.zero is the ZeRO stage: 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero!r}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"ParallelPlan.schedule={self.schedule!r} is not a pipeline schedule; use one of "
+                            f"{SCHEDULES}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise PlanError(f"ParallelPlan.recompute={self.recompute!r}: use None or one of {RECOMPUTE}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise PlanError(f"ParallelPlan.precision={self.precision!r}: use None (the model's dtype) or one of "
+                            f"{PRECISIONS}")
+        if self.offload_optimizer is not None and self.offload_optimizer not in OPTIMIZER_TIERS:
+            raise PlanError(f"ParallelPlan.offload_optimizer={self.offload_optimizer!r}: use None, 'host' "
+                            f"(ZeRO-Offload) or 'disk' (ZeRO-Infinity's SSD tier)")
+        for name in ("sequence_parallel", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"ParallelPlan.{name} is True or False, got {getattr(self, name)!r}")
+        r = self.fsdp_replicate
+        if r is not None and r not in REPLICATE and not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
+            raise PlanError(f"ParallelPlan.fsdp_replicate={r!r}: use None, 'norms+biases', or a positive number of "
+                            f"elements below which a parameter stays whole")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def replace(self, **changes) -> "ParallelPlan":
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """A short name for tables: only what differs from the defaults."""
+        default = ParallelPlan()
+        parts = [f"{self.pp}×{self.dp}×{self.tp}"]
+        parts += [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                  if f.name not in ("dp", "tp", "pp") and getattr(self, f.name) != getattr(default, f.name)]
+        return " ".join(parts)
+
+    # ------------------------------------------------------------------ can it work?
+    def check(self, config, world_size: int, *, batch_size: int | None = None) -> "ParallelPlan":
+        """Raise PlanError (one line: the parameter and the fix) unless this plan can train `config` on
+        `world_size` ranks with a global batch of `batch_size` sequences. Returns the plan, so calls chain."""
+        from .model import get_config
+        from .parallel.pipeline import plan_pipeline
+        from .parallel.tensor import check_tp
+        cfg = get_config(config)
+        if self.world_size != world_size:
+            raise PlanError(f"pp × dp × tp = {self.pp} × {self.dp} × {self.tp} = {self.world_size}, but there are "
+                            f"{world_size} ranks; choose sizes whose product is {world_size}")
+        if self.tp > 1:
+            try:
+                check_tp(cfg, self.tp, sequence_parallel=self.sequence_parallel)
+            except ValueError as e:
+                raise PlanError(str(e)) from None
+        elif self.sequence_parallel:
+            raise PlanError("sequence_parallel splits the sequence over the tp group, but tp=1; use tp ≥ 2 or "
+                            "sequence_parallel=False")
+        if self.pp > 1:
+            try:
+                plan_pipeline(cfg, self.pp, self.microbatches, self.schedule, chunks=self.chunks)
+            except ValueError as e:
+                raise PlanError(str(e)) from None
+        elif self.chunks > 1:
+            raise PlanError(f"chunks={self.chunks} interleaves virtual pipeline stages, but pp=1; use pp ≥ 2 with "
+                            f"schedule='interleaved', or chunks=1")
+        if batch_size is not None:
+            n = self.dp * self.microbatches
+            if not isinstance(batch_size, int) or batch_size < 1 or batch_size % n:
+                raise PlanError(f"the global batch of {batch_size} sequences does not split into dp × microbatches "
+                                f"= {self.dp} × {self.microbatches} equal micro-batches; use a multiple of {n}")
+        self._check_combination(cfg)
+        return self
+
+    def _check_combination(self, cfg) -> None:
+        """Combinations the course does not build, each with why (the techniques themselves run)."""
+        if self.zero == 3 and self.pp > 1:
+            raise PlanError("zero=3 (FSDP) inside a pipeline would all-gather each stage's parameters for every one "
+                            "of the M micro-batch forwards and backwards; use zero=1 or 2 with pp > 1 (as "
+                            "Megatron-LM and DeepSpeed do), or pp=1")
+        if self.fsdp_replicate is not None and self.zero != 3:
+            raise PlanError(f"fsdp_replicate leaves parameters unsharded under FSDP, but zero={self.zero}; use "
+                            f"zero=3, or fsdp_replicate=None")
+        if self.pp > 1 and cfg.tie_weights:
+            raise PlanError("a pipeline needs untied embeddings: with tie_weights=True the LM head on the last stage "
+                            "shares its weight with the embedding on stage 0; use a config with tie_weights=False")
+        if self.offload_optimizer is not None:
+            if self.zero in (0, 3) and self.dp > 1:
+                raise PlanError(f"offload_optimizer moves each rank's optimizer shard to the {self.offload_optimizer} "
+                                f"tier, which needs ZeRO-1 or 2 over dp={self.dp} (zero={self.zero}); use zero=1 or "
+                                f"2, or offload_optimizer=None")
+            if self.precision not in (None, "bf16"):
+                raise PlanError(f"offload_optimizer keeps bf16 parameters on the device and fp32 state off it "
+                                f"(ZeRO-Offload's recipe), which is its own mixed precision; use precision='bf16' "
+                                f"or None with it, not {self.precision!r}")
+
+
+__all__ = ["ParallelPlan", "PlanError", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "OPTIMIZER_TIERS", "REPLICATE"]

@@ -1,0 +1,153 @@
+"""`parallelize(model, mesh, plan)`: every technique of the course on one rank, in the one order they compose in.
+
+    plan = ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=4, recompute="selective", precision="bf16")
+    with parallelize(GPT(cfg, seed=0), Mesh(ctx.comm, pp=2, dp=2, tp=2), plan, train=tc) as job:
+        run = job.train(steps=2, probes=[LedgerProbe(ctx.comm)])
+        job.expected_bytes          # {'pp': …, 'dp': …, 'tp': …} per step, from each technique's formula
+
+The plan is checked first (`ParallelPlan.check`: sizes, divisibility, supported combinations), on every rank and
+before any rank talks to another. Then each technique is applied to the model the previous one left — every
+`apply_<technique>(model, mesh, *, options)` changes the model in place or returns a model of the same kind, so the
+next one sees a model it understands (picotron swaps modules inside the model the same way; torchtitan's
+`parallelize_llama` fixes the order). The order, and why each technique sits where it does:
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .dist.mesh import Mesh
+from .parallel_plan import ParallelPlan, PlanError
+
+ORDER = (
+    ("tensor parallel", "rewrites the layers themselves (which rows or columns of each weight this rank holds), so "
+                        "it must see whole layers; the stages cut next hold TP's layers, embedding, head and loss"),
+    ("pipeline split", "keeps this rank's blocks (and the embedding or the head); everything after it touches only "
+                       "what runs here"),
+    ("recomputation", "hooks on the blocks that run here, after TP changed their insides: the replay re-runs TP's "
+                      "collectives with the block"),
+    ("activation offload", "hooks on the same blocks: what recomputation still keeps is what moves off the device"),
+    ("precision", "casts what this rank holds to the compute dtype: what ZeRO shards and DP reduces is then in it"),
+    ("data parallel / ZeRO", "outermost: reduces or shards whatever parameters this rank now has, over dp; a TP "
+                             "shard of one stage's weight is just a tensor to it"),
+    ("optimizer", "built once, last, over exactly what this rank updates (fp32 masters under mixed precision, "
+                  "its shard under ZeRO, on the host or disk under offload)"),
+)
+__doc__ += "\n" + "\n".join(f"    {i}. {name:<22}{why}" for i, (name, why) in enumerate(ORDER, 1)) + "\n"
+
+
+@dataclass
+class Parallelized:
+    """This rank's share of a composed training job: train it with `train()` (THE training loop, `train.run`)."""
+    model: torch.nn.Module
+    optimizer: object
+    step_fn: object
+    batches: object
+    plan: ParallelPlan
+    mesh: Mesh
+    expected_bytes: dict = field(default_factory=dict)
+    applied: list = field(default_factory=list)          # (technique, what it returned) in ORDER
+
+    def train(self, steps: int, *, probes=(), keep_params: bool = False, progress: bool = False):
+        from .train import run
+        return run(self.model, self.optimizer, self.batches, steps=steps, probes=probes, step_fn=self.step_fn,
+                   keep_params=keep_params, progress=progress)
+
+    def named_parameters(self):
+        """This rank's parameters under the single-process model's names (what it holds of each)."""
+        inner = self.model
+        while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+            inner = inner.module
+        return inner.named_parameters()
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of `full` (a parameter of the single-process model named `name`) that this rank holds: each
+        technique that split it (TP's rows or columns, then FSDP's dim-0 shard) cuts it as it cut the parameter."""
+        for _, obj in self.applied:
+            cut = getattr(obj, "local_shard", None)
+            if cut is not None:
+                full = cut(name, full)
+        return full
+
+    def close(self) -> None:
+        """Stop what the techniques started (communication threads, offload files), in reverse order."""
+        for _, obj in reversed(self.applied):
+            closer = getattr(type(obj), "__exit__", None)
+            if closer is not None:
+                obj.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None) -> Parallelized:
+    """Apply `plan` to `model` (the course GPT, the same seed on every rank) on this rank of `mesh`; see the module
+    docstring. `train` is the TrainConfig (optimizer hyper-parameters, global batch, data seed)."""
+    from .train import TrainConfig
+    tc = train or TrainConfig()
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"parallelize needs a course_lib.dist.mesh.Mesh, got {type(mesh).__name__}; build one with "
+                        f"Mesh(ctx.comm, pp=…, dp=…, tp=…)")
+    plan.check(model.config, mesh.world.world_size, batch_size=tc.batch_size)
+    sizes = {a: mesh.size(a) for a in ("pp", "dp", "tp")}
+    if sizes != {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}:
+        raise PlanError(f"the mesh is pp × dp × tp = {sizes['pp']} × {sizes['dp']} × {sizes['tp']} but the plan asks "
+                        f"for {plan.pp} × {plan.dp} × {plan.tp}; build Mesh(comm, pp={plan.pp}, dp={plan.dp}, "
+                        f"tp={plan.tp})")
+    return _build(model, mesh, plan, tc)
+
+
+def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
+    from .memopt.recompute import apply_recompute
+    from .parallel.dp import apply_dp
+    from .parallel.fsdp import apply_fsdp
+    from .parallel.pipeline import apply_pipeline
+    from .parallel.tensor import apply_tp
+    from .parallel.zero import ShardedOptimizer
+    from .train import forward_backward, make_optimizer, optimizer_kwargs
+    applied = []
+    cfg = model.config
+    M = plan.microbatches
+    if plan.tp > 1:                                                                   # 1. tensor parallel
+        model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
+        applied.append(("tensor parallel", model))
+    step_fn, pipe = forward_backward, None
+    if plan.pp > 1:                                                                   # 2. pipeline split
+        model, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=plan.schedule, chunks=plan.chunks)
+        step_fn = pipe
+        applied.append(("pipeline split", pipe))
+    if plan.recompute is not None:                                                    # 3. recomputation
+        apply_recompute(model, mesh, policy=plan.recompute)
+        applied.append(("recomputation", model))
+    if plan.offload_activations:                                                      # 4. activation offload
+        raise PlanError("offload_activations is not composed yet")
+    if plan.precision is not None:                                                    # 5. precision
+        raise PlanError("precision is not composed yet")
+    optimizer = None                                                                  # 6. data parallel / ZeRO
+    wrapped = model
+    if plan.zero == 3:
+        wrapped = apply_fsdp(model, mesh)
+    elif plan.zero in (1, 2):
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mesh["dp"], stage=plan.zero,
+                                     **optimizer_kwargs(tc))
+    elif plan.dp > 1:
+        wrapped = apply_dp(model, mesh, kind="bucket")
+    if wrapped is not model:
+        applied.append(("data parallel / ZeRO", wrapped))
+    if optimizer is None:                                                             # 7. optimizer
+        optimizer = make_optimizer(wrapped.parameters(), tc)
+    applied.append(("optimizer", optimizer))
+    if pipe is not None:
+        pipe.data_parallel = wrapped if wrapped is not model else None
+    b = tc.batch_size // (plan.dp * M)
+    batches = mesh.batches(cfg.seq_len, b, accum_steps=M, seed=tc.data_seed)
+    job = Parallelized(wrapped, optimizer, step_fn, batches, plan, mesh, applied=applied)
+    return job
+
+
+__all__ = ["parallelize", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]

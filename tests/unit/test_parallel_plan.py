@@ -1,0 +1,65 @@
+"""ParallelPlan.check refuses, before any rank starts, every plan that cannot work — one line naming the parameter
+and the fix — and accepts the combinations the composition matrix trains (tests/integration/test_parallelize.py)."""
+import pytest
+
+from course_lib.model import get_config
+from course_lib.parallel_plan import ParallelPlan, PlanError
+
+CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
+
+
+@pytest.mark.parametrize("plan, world, batch, match", [
+    (ParallelPlan(dp=2, tp=2), 8, 8, r"pp × dp × tp = 1 × 2 × 2 = 4, but there are 8 ranks"),
+    (ParallelPlan(tp=3), 3, 8, r"tp_size=3 does not divide n_head=4; use tp_size in \[1, 2, 4\]"),
+    (ParallelPlan(pp=5, microbatches=5), 5, 10, r"cannot split n_layer=4 blocks into 5 stage"),
+    (ParallelPlan(pp=2, chunks=4, schedule="interleaved", microbatches=2), 2, 4, r"chunks=4 does not divide"),
+    (ParallelPlan(pp=2, chunks=2, microbatches=2), 2, 4, r"chunks=2 \(model chunks per rank\) needs the 'interleaved' schedule"),
+    (ParallelPlan(chunks=2, schedule="interleaved"), 1, 4, r"chunks=2 interleaves virtual pipeline stages, but pp=1"),
+    (ParallelPlan(sequence_parallel=True), 1, 4, r"sequence_parallel .* but tp=1"),
+    (ParallelPlan(dp=2, microbatches=3), 2, 8, r"does not split into dp × microbatches = 2 × 3"),
+    (ParallelPlan(pp=2, dp=2, zero=3, microbatches=2), 4, 8, r"zero=3 \(FSDP\) inside a pipeline"),
+    (ParallelPlan(dp=2, fsdp_replicate="norms+biases"), 2, 4, r"fsdp_replicate .* but zero=0"),
+    (ParallelPlan(dp=2, offload_optimizer="host"), 2, 4, r"needs ZeRO-1 or 2 over dp=2"),
+    (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="fp16"), 2, 4, r"use precision='bf16'"),
+])
+def test_a_plan_that_cannot_work_is_refused_with_the_fix(plan, world, batch, match):
+    with pytest.raises(PlanError, match=match):
+        plan.check(CFG, world, batch_size=batch)
+
+
+def test_sequence_parallel_needs_tp_to_divide_the_sequence():
+    with pytest.raises(PlanError, match="does not divide seq_len=17"):
+        ParallelPlan(tp=2, sequence_parallel=True).check(CFG.replace(seq_len=17), 2)
+
+
+def test_a_pipeline_needs_untied_embeddings():
+    with pytest.raises(PlanError, match="untied embeddings"):
+        ParallelPlan(pp=2, microbatches=2).check(CFG.replace(tie_weights=True), 2)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("dp", 0, "dp must be a positive integer"), ("zero", 4, "ZeRO stage"), ("schedule", "1F1B", "use one of"),
+    ("recompute", "all", "recompute='all'"), ("precision", "fp64", "precision='fp64'"),
+    ("offload_optimizer", "gpu", "'host'"), ("sequence_parallel", 1, "True or False"),
+    ("fsdp_replicate", -1, "positive number of elements"), ("microbatches", 1.5, "positive integer"),
+])
+def test_a_field_out_of_range_is_refused_when_the_plan_is_made(field, value, match):
+    with pytest.raises(PlanError, match=match):
+        ParallelPlan(**{field: value})
+
+
+@pytest.mark.parametrize("plan, world", [
+    (ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=2, recompute="selective"), 8),
+    (ParallelPlan(pp=2, dp=2, tp=2, zero=2, microbatches=4, schedule="interleaved", chunks=2,
+                  sequence_parallel=True), 8),
+    (ParallelPlan(dp=2, tp=4, zero=3, fsdp_replicate="norms+biases"), 8),
+    (ParallelPlan(pp=4, tp=2, microbatches=4, schedule="zb_h1"), 8),
+    (ParallelPlan(dp=8, zero=2, offload_optimizer="host", precision="bf16"), 8),
+    (ParallelPlan(dp=3, zero=3, fsdp_replicate=64), 3),
+])
+def test_plans_the_course_builds_pass_the_check(plan, world):
+    assert plan.check(CFG, world, batch_size=16 if plan.dp != 3 else 12) is plan
+
+
+def test_describe_names_only_what_differs_from_the_defaults():
+    assert ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=4).describe() == "2×2×2 zero=1 microbatches=4"

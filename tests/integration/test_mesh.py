@@ -24,13 +24,37 @@ def test_groups_of_a_2x2x2_mesh_are_the_expected_rank_sets_tp_innermost():
     expect = {"tp": [{0, 1}, {2, 3}, {4, 5}, {6, 7}], "dp": [{0, 2}, {1, 3}, {4, 6}, {5, 7}],
               "pp": [{0, 4}, {1, 5}, {2, 6}, {3, 7}]}
     for rank, r in enumerate(res):
-        assert r["coords"] == {"pp": rank // 4, "dp": (rank // 2) % 2, "tp": rank % 2}
-        for axis in AXES:
+        assert r["coords"] == {"pp": rank // 4, "dp": (rank // 2) % 2, "cp": 0, "tp": rank % 2}
+        assert r["groups"]["cp"] == [rank] and r["comm_ranks"]["cp"][1] == 1      # cp = 1: a group of one
+        for axis in ("pp", "dp", "tp"):
             group = set(r["groups"][axis])
             assert group in expect[axis], (rank, axis, group)
             local, size, ranks = r["comm_ranks"][axis]
             assert size == 2 and set(ranks) == group and ranks[local] == rank
             assert local == r["coords"][axis]          # a group's ranks are in grid order along its axis
+
+
+def _sub_axes(ctx, sizes):
+    mesh = Mesh(ctx.comm, **sizes)
+    x = torch.full((6,), float(ctx.rank + 1))
+    C.all_reduce_ring(mesh.group("dp", "cp"), x, tag="dpcp")
+    return {"coords": mesh.coords, "ranks": {a: mesh[a].global_ranks for a in AXES + ("ep", "edp")},
+            "dpcp": mesh.group("dp", "cp").global_ranks, "sum": x[0].item()}
+
+
+def test_cp_sits_between_dp_and_tp_and_ep_splits_dp_into_expert_groups():
+    res = launch(_sub_axes, 8, {"dp": 2, "cp": 2, "tp": 2}, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["coords"] == {"pp": 0, "dp": rank // 4, "cp": (rank // 2) % 2, "tp": rank % 2}
+        assert r["ranks"]["cp"] == sorted({rank, rank ^ 2}) and r["ranks"]["dp"] == sorted({rank, rank ^ 4})
+        assert r["dpcp"] == [q for q in range(8) if q % 2 == rank % 2]            # the dp×cp gradient group
+        assert r["sum"] == sum(q + 1 for q in r["dpcp"])
+    res = launch(_sub_axes, 8, {"dp": 4, "ep": 2, "tp": 2}, timeout=120)
+    for rank, r in enumerate(res):
+        dp = r["coords"]["dp"]
+        same_tp = [q for q in range(8) if q % 2 == rank % 2]                       # dp ranks 0..3 of this tp slot
+        assert r["ranks"]["ep"] == [same_tp[d] for d in range(4) if d // 2 == dp // 2]   # consecutive dp ranks
+        assert r["ranks"]["edp"] == [same_tp[d] for d in range(4) if d % 2 == dp % 2]    # the same experts
 
 
 def _gpt_on_mesh(ctx, cfg, tc):
@@ -66,7 +90,7 @@ def test_gpt_data_parallel_on_a_2x2x2_mesh_with_per_axis_ledger_bytes():
         for k, v in ref_params.items():
             assert (r["params"][k] - v).abs().max().item() < 1e-5, (rank, k)
         dp_bytes = tc.steps * sum(C.ring_all_reduce_bytes(n, 2, r["coords"]["dp"], 4) for n in r["numels"])
-        assert r["bytes"] == {"dp": dp_bytes, "tp": C.ring_all_reduce_bytes(1000, 2, r["coords"]["tp"], 4),
+        assert r["bytes"] == {"dp": dp_bytes, "cp": 0, "tp": C.ring_all_reduce_bytes(1000, 2, r["coords"]["tp"], 4),
                               "pp": C.ring_all_reduce_bytes(300, 2, r["coords"]["pp"], 4)}
         assert sum(r["bytes"].values()) == r["total"] and r["world"] == 0       # the axes add up to the total
         assert [s["dp"] for s in r["step_groups"]] == [dp_bytes // tc.steps] * tc.steps

@@ -1,0 +1,200 @@
+"""Context parallelism from scratch: each rank of the `cp` group holds T/cp of every sequence, and causal attention
+is computed exactly by passing K/V blocks around the ring (ring attention), forward and backward.
+
+Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context", arXiv 2310.01889
+(2023); Megatron-LM's context parallelism (Korthikanti et al.'s successor; NVIDIA, 2024); Llama 3 (Dubey et al.,
+arXiv 2407.21783, §3.3.2) trained its long-context stage with CP = 16 and the zig-zag split below. The online
+softmax that merges partial results is Milakov & Gimelshein, arXiv 1805.02867 (2018), as FlashAttention uses it.
+
+    cp = 4, T = 16, contiguous:   rank 0: t 0–3    rank 1: t 4–7    rank 2: t 8–11    rank 3: t 12–15
+            zig-zag (2 chunks):   rank 0: 0–1 14–15   rank 1: 2–3 12–13   rank 2: 4–5 10–11   rank 3: 6–7 8–9
+
+With a causal mask the contiguous split is unfair — rank 3's queries see all 16 keys, rank 0's only 4 — so the
+ring's steps wait for the slowest rank. The zig-zag split gives every rank one early and one late chunk: the same
+number of visible (query, key) pairs on every rank (`visible_pairs`).
+
+Forward on rank r, ring step s = 0 … cp−1: this rank holds the K/V block of rank j = (r − s) mod cp (its own at
+s = 0); it starts sending that block to rank r+1 and receiving the next from r−1, computes its queries against the
+block it holds — S = Q·Kⱼᵀ/√d_h, masked by global positions — and merges with the online softmax:
+
+    m' = max(m, rowmax S)      l ← l·e^(m−m') + rowsum e^(S−m')      o ← o·e^(m−m') + e^(S−m')·Vⱼ      m ← m'
+    output O = o / l,   kept for backward: O and the log-sum-exp m + log l (not the T×T probabilities)
+
+Backward (FlashAttention's, per block): D = rowsum(dO ∘ O), P = e^(S − lse), dV_j += Pᵀ·dO, dS = P ∘ (dO·V_jᵀ − D),
+dQ += dS·K_j/√d_h, dK_j += dSᵀ·Q/√d_h; the block's K, V and its dK, dV accumulators travel the ring together, and
+after the last step dK, dV take one more hop home. Bytes each rank sends per attention layer (docs/formulas.md §11):
+
+    forward   2·(cp − 1) blocks          backward   4·(cp − 1) + 2 blocks,     a block = b·(T/cp)·d·e bytes
+    (K and V, cp − 1 hops)              (K, V, dK, dV, cp − 1 hops; then dK, dV home)
+
+Compared with all-gathering K/V (Llama 3's choice: one all-gather of K and V, 2·(cp−1)·block bytes forward, a
+reduce-scatter of dK, dV backward), the ring sends as much but holds one remote block at a time instead of all cp.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dist.mesh import axis_comm
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ============================================================================================ who holds which tokens
+def positions(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """Global positions (int64, ascending) of the tokens cp rank `rank` holds."""
+    check_cp(seq_len, cp, layout)
+    if layout == "contiguous":
+        n = seq_len // cp
+        return torch.arange(rank * n, (rank + 1) * n)
+    c = seq_len // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+
+
+def check_cp(seq_len: int, cp: int, layout: str = "zigzag") -> None:
+    """One clear error if T cannot be split over cp ranks in `layout`."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp must be a positive integer, got {cp!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown context-parallel layout {layout!r}; use one of {LAYOUTS}")
+    parts = 2 * cp if layout == "zigzag" else cp
+    if seq_len % parts:
+        raise ValueError(f"the {layout} split cuts the sequence into {parts} equal chunks ({'2·' if parts != cp else ''}"
+                         f"cp = {parts}), but T={seq_len} is not a multiple of {parts}; use a seq_len that is, or "
+                         f"another cp")
+
+
+def visible_pairs(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> int:
+    """(query, key) pairs rank `rank` computes under the causal mask: its share of the attention work."""
+    q = positions(seq_len, cp, rank, layout)
+    return int((q + 1).sum())                       # query at position t sees keys 0..t
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `x` (a tensor over the whole sequence along `dim`)."""
+    return x.index_select(dim, positions(x.shape[dim], cp, rank, layout))
+
+
+def unshard(parts, seq_len: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """Every rank's tokens (`parts[r]`) put back in sequence order: the inverse of `shard`."""
+    cp = len(parts)
+    order = torch.cat([positions(seq_len, cp, r, layout) for r in range(cp)])
+    out = torch.cat(list(parts), dim)
+    return out.index_select(dim, torch.argsort(order))
+
+
+def ring_bytes_per_layer(micro_batch_size: int, seq_len: int, d_model: int, cp: int, elem: int) -> dict:
+    """Bytes one cp rank sends for one attention layer's forward and backward (see the module docstring)."""
+    block = micro_batch_size * (seq_len // cp) * d_model * elem
+    return {"forward": 2 * (cp - 1) * block, "backward": (4 * (cp - 1) + 2) * block if cp > 1 else 0}
+
+
+# ============================================================================================ ring attention
+def _block_scores(q, k, pos_q, pos_k, scale):
+    """S = Q·Kᵀ/√d_h with the causal mask by global position; None if this block is masked out entirely."""
+    visible = pos_q[:, None] >= pos_k[None, :]                       # (n, n)
+    if not bool(visible.any()):
+        return None
+    s = (q @ k.transpose(-2, -1)) * scale                            # (B, nh, n, n)
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def _rotate(comm, tensors, tag):
+    """Start sending `tensors` to the next cp rank and receiving the same shapes from the previous one."""
+    r, p = comm.rank, comm.world_size
+    sends = [comm.isend(t.contiguous(), (r + 1) % p, tag=tag) for t in tensors]
+    bufs = [torch.empty_like(t) for t in tensors]
+    recvs = [comm.irecv(b, (r - 1) % p, tag=tag) for b in bufs]
+    return sends, recvs, bufs
+
+
+def _finish(handles):
+    for h in handles:
+        h.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, all_pos, tag):
+        r, p = comm.rank, comm.world_size
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        pos_q = all_pos[r]
+        o = torch.zeros_like(q)                                                     # (B, nh, n, hs)
+        m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype)           # (B, nh, n, 1)
+        l = torch.zeros_like(m)
+        kv = (k, v)
+        for s in range(p):
+            pending = _rotate(comm, kv, f"{tag}:kv") if s < p - 1 else None
+            j = (r - s) % p
+            scores = _block_scores(q, kv[0], pos_q, all_pos[j], scale)
+            if scores is not None:
+                m_new = torch.maximum(m, scores.amax(-1, keepdim=True))   # finite: step 0 is the diagonal block
+                alpha = torch.exp(m - m_new)
+                e = torch.exp(scores - m_new)
+                l = l * alpha + e.sum(-1, keepdim=True)
+                o = o * alpha + e @ kv[1]
+                m = m_new
+            if pending is not None:
+                sends, recvs, bufs = pending
+                _finish(recvs + sends)
+                kv = tuple(bufs)
+        out = o / l
+        ctx.save_for_backward(q, k, v, out, m + torch.log(l))
+        ctx.comm, ctx.all_pos, ctx.tag, ctx.scale = comm, all_pos, tag, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, all_pos, tag, scale = ctx.comm, ctx.all_pos, ctx.tag, ctx.scale
+        r, p = comm.rank, comm.world_size
+        pos_q = all_pos[r]
+        d_out = d_out.contiguous()
+        delta = (d_out * out).sum(-1, keepdim=True)                                  # (B, nh, n, 1)
+        dq = torch.zeros_like(q)
+        block = (k, v, torch.zeros_like(k), torch.zeros_like(v))                     # K, V, dK, dV of rank j
+        for s in range(p):
+            j = (r - s) % p
+            kj, vj, dkj, dvj = block
+            scores = _block_scores(q, kj, pos_q, all_pos[j], scale)
+            if scores is not None:
+                prob = torch.exp(scores - lse)                                       # (B, nh, n, n)
+                dvj = dvj + prob.transpose(-2, -1) @ d_out
+                ds = prob * (d_out @ vj.transpose(-2, -1) - delta)
+                dq = dq + (ds @ kj) * scale
+                dkj = dkj + (ds.transpose(-2, -1) @ q) * scale
+            if s < p - 1:
+                sends, recvs, bufs = _rotate(comm, (kj, vj, dkj, dvj), f"{tag}:kv.bwd")
+                _finish(recvs + sends)
+                block = tuple(bufs)
+            else:
+                block = (None, None, dkj, dvj)
+        if p > 1:                                     # the last block held is rank r+1's: send its dK, dV home
+            sends, recvs, bufs = _rotate(comm, block[2:], f"{tag}:dkv.bwd")
+            _finish(recvs + sends)
+            dk, dv = bufs
+        else:
+            dk, dv = block[2:]
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, mesh_or_comm, *, seq_len: int, layout: str = "zigzag", tag: str = "cp"):
+    """Exact causal attention softmax(QKᵀ/√d_h)·V of this rank's queries against every rank's keys, for q, k, v of
+    shape (B, nh, T/cp, hs) holding this rank's tokens in `layout`; returns (B, nh, T/cp, hs)."""
+    comm = axis_comm(mesh_or_comm, "cp")
+    all_pos = [positions(seq_len, comm.world_size, j, layout) for j in range(comm.world_size)]
+    return _RingAttention.apply(q, k, v, comm, all_pos, tag)
+
+
+def reference_attention(q, k, v) -> torch.Tensor:
+    """The single-process causal attention the ring must equal (the toy GPT's, without dropout)."""
+    T = q.shape[-2]
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+__all__ = ["LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard", "ring_bytes_per_layer",
+           "ring_attention", "reference_attention"]

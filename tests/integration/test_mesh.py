@@ -114,21 +114,21 @@ def _solo_axes(ctx):
 def test_axes_of_size_one_cost_nothing_and_a_whole_world_axis_reuses_the_world_group():
     res = launch(_solo_axes, 3, timeout=60)
     for r in res:
-        assert r["sizes"] == {"pp": 1, "dp": 3, "tp": 1} and r["dp_is_world"]
+        assert r["sizes"] == {"pp": 1, "dp": 3, "cp": 1, "tp": 1} and r["dp_is_world"]
         assert r["t"] == 3.0 and {g for g, _ in r["events"]} == {"dp"}
 
 
 def _bad(ctx):
     errors = {}
     for name, kw in {"product": {"dp": 2, "tp": 2}, "tp not dividing": {"tp": 4}, "zero": {"pp": 0},
-                     "float": {"tp": 1.5}}.items():
+                     "float": {"tp": 1.5}, "ep": {"ep": 4}}.items():
         try:
             Mesh(ctx.comm, **kw)
             errors[name] = None
         except ValueError as e:
             errors[name] = str(e)
     try:
-        Mesh(ctx.comm)["ep"]
+        Mesh(ctx.comm)["sp"]
     except KeyError as e:
         errors["axis"] = str(e)
     return errors
@@ -139,4 +139,5 @@ def test_bad_mesh_sizes_say_what_to_change_before_any_group_is_made():
     assert "must equal the world size" in e["product"] and "6 ranks" in e["product"]
     assert "does not divide the world size 6" in e["tp not dividing"]
     assert "positive integer" in e["zero"] and "positive integer" in e["float"]
-    assert "'ep'" in e["axis"]
+    assert "'sp'" in e["axis"]
+    assert "ep=4 must divide dp=6" in e["ep"]

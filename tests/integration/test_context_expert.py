@@ -1,0 +1,151 @@
+"""Context parallelism (ring attention) and expert parallelism (MoE over an all-to-all from send/recv) on real
+ranks: equal to the single-process computation in float64, forward and backward, with the bytes of the formulas."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.dist.all_to_all import all_to_all, all_to_all_bytes
+from course_lib.dist.launch import launch
+from course_lib.moe import MoE, capacity, check_moe, route
+from course_lib.parallel import context as C
+from course_lib.parallel.expert import ExpertParallelMoE, expert_bytes_per_forward
+
+pytestmark = pytest.mark.integration
+
+
+# ------------------------------------------------------------------------------------------ ring attention
+def _ring(ctx, T, layouts, seed):
+    torch.manual_seed(seed)
+    B, nh, hs = 2, 2, 4
+    q, k, v, d_out = (torch.randn(B, nh, T, hs, dtype=torch.float64) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    C.reference_attention(*ref).backward(d_out)
+    cp, r = ctx.world_size, ctx.rank
+    out = {}
+    for layout in layouts:
+        mine = [C.shard(t, cp, r, layout, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        ctx.comm.ledger.reset()
+        y = C.ring_attention(*mine, ctx.comm, seq_len=T, layout=layout)
+        fwd = ctx.comm.ledger.bytes_sent()
+        y.backward(C.shard(d_out, cp, r, layout, dim=2))
+        want = C.shard(C.reference_attention(q, k, v), cp, r, layout, 2)
+        errs = [(y - want).abs().max().item()] + [(a.grad - C.shard(b.grad, cp, r, layout, 2)).abs().max().item()
+                                                  for a, b in zip(mine, ref)]
+        out[layout] = {"err": max(errs), "fwd": fwd, "bwd": ctx.comm.ledger.bytes_sent() - fwd}
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_attention_equals_one_process_forward_and_backward_with_the_ring_bytes(cp):
+    T = 24
+    res = launch(_ring, cp, T, C.LAYOUTS, cp, timeout=120)
+    want = C.ring_bytes_per_layer(2, T, 2 * 4, cp, 8)
+    for r in res:
+        for layout in C.LAYOUTS:
+            assert r[layout]["err"] < 1e-12, (layout, r[layout]["err"])
+            assert (r[layout]["fwd"], r[layout]["bwd"]) == (want["forward"], want["backward"])
+
+
+def test_the_zigzag_split_gives_every_rank_the_same_causal_work():
+    T, cp = 64, 4
+    contiguous = [C.visible_pairs(T, cp, r, "contiguous") for r in range(cp)]
+    zigzag = [C.visible_pairs(T, cp, r, "zigzag") for r in range(cp)]
+    assert sum(contiguous) == sum(zigzag) == T * (T + 1) // 2
+    n, c = T // cp, T // (2 * cp)
+    assert contiguous == [n * r * n + n * (n + 1) // 2 for r in range(cp)]          # rank 3: 49+…+64, rank 0: 1+…+16
+    assert zigzag == [(2 * cp - 1) * c * c + c * (c + 1)] * cp                    # one early + one late chunk each
+    for layout in C.LAYOUTS:
+        parts = [C.shard(torch.arange(T)[None], cp, r, layout) for r in range(cp)]
+        assert torch.equal(C.unshard(parts, T, layout), torch.arange(T)[None])
+
+
+def test_a_sequence_the_split_cannot_cut_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"T=20 is not a multiple of 8"):
+        C.check_cp(20, 4, "zigzag")
+
+
+# ------------------------------------------------------------------------------------------ experts
+def _ep(ctx, cases):
+    out = []
+    for E, k, cf in cases:
+        torch.manual_seed(E + k)
+        P, r, b, T, d = ctx.world_size, ctx.rank, 2, 8, 16
+        ref = MoE(d, E, top_k=k, capacity_factor=cf, groups=P).double()
+        x, w = (torch.randn(P * b, T, d, dtype=torch.float64) for _ in range(2))
+        xr = x.clone().requires_grad_()
+        (ref(xr) * w).sum().backward()
+        routing = ref.last[r]
+        stats = {"counts": routing.counts.tolist(), "dropped": routing.dropped, "C": routing.capacity}
+        ref.last = []
+        mine = ExpertParallelMoE(copy.deepcopy(ref), ctx.comm)
+        mine.zero_grad(set_to_none=True)
+        xl = x[r * b:(r + 1) * b].clone().requires_grad_()
+        ctx.comm.ledger.reset()
+        y = mine(xl)
+        fwd = ctx.comm.ledger.bytes_sent()
+        (y * w[r * b:(r + 1) * b]).sum().backward()
+        refp = dict(ref.named_parameters())
+        router = mine.router.weight.grad.clone()
+        dist.all_reduce(router)                     # the replicated router's gradient: a partial sum per rank
+        errs = [(y - ref(x)[r * b:(r + 1) * b]).abs().max().item(),
+                (xl.grad - xr.grad[r * b:(r + 1) * b]).abs().max().item(),
+                (router - ref.router.weight.grad).abs().max().item()]
+        errs += [(p.grad - refp[n].grad).abs().max().item() for n, p in mine.named_parameters() if "experts" in n]
+        out.append({"err": max(errs), "fwd": fwd, "bwd": ctx.comm.ledger.bytes_sent() - fwd,
+                    "sent": mine.sent_rows[0], "stats": stats, "local": mine.local,
+                    "experts": sorted({int(n.split(".")[1]) for n, _ in mine.named_parameters() if "experts" in n})})
+    return out
+
+
+CASES = [(4, 1, 1.0), (4, 2, 0.5), (8, 2, 1.25), (4, 4, 2.0)]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_moe_equals_one_process_for_any_routing_and_sends_the_routed_tokens(ep):
+    cases = [c for c in CASES if c[0] % ep == 0]
+    res = launch(_ep, ep, cases, timeout=120)
+    for i, (E, k, cf) in enumerate(cases):
+        rows = [r[i]["sent"] for r in res]                        # rows[src][dst]
+        for rank, r in enumerate(res):
+            c = r[i]
+            assert c["err"] < 1e-12, (E, k, cf, c["err"])
+            assert c["experts"] == list(range(rank * E // ep, (rank + 1) * E // ep))
+            # every kept assignment travels: the counts the router reported, nothing more
+            assert sum(c["sent"]) == sum(c["stats"]["counts"]) == 2 * 8 * k - c["stats"]["dropped"]
+            assert max(c["stats"]["counts"]) <= c["stats"]["C"] == capacity(16, E, k, cf)
+            want = expert_bytes_per_forward(rows[rank], [rows[j][rank] for j in range(ep)], rank, 16, 8, E // ep)
+            assert c["fwd"] == sum(want.values())
+            assert c["bwd"] == want["dispatch"] + want["combine"]        # the gradients retrace the same rows
+    assert any(r[1]["stats"]["dropped"] for r in res)                  # capacity 0.5 overflowed: dropped tokens
+
+
+def _a2a(ctx):
+    P, r = ctx.world_size, ctx.rank
+    pieces = [torch.full((j + r + 1, 3), float(10 * r + j)) for j in range(P)]     # uneven splits
+    ctx.comm.ledger.reset()
+    mine = all_to_all(ctx.comm, pieces, out_sizes=[r + i + 1 for i in range(P)])
+    sent = ctx.comm.ledger.bytes_sent()
+    inp = torch.cat(pieces)
+    out = torch.empty(sum(r + i + 1 for i in range(P)), 3)
+    dist.all_to_all_single(out, inp, [r + j + 1 for j in range(P)], [r + i + 1 for i in range(P)])
+    return torch.equal(torch.cat(mine), out), sent, [p.shape[0] for p in pieces]
+
+
+def test_all_to_all_from_send_recv_equals_torch_all_to_all_single_with_uneven_splits():
+    for rank, (same, sent, rows) in enumerate(launch(_a2a, 3, timeout=60)):
+        assert same and sent == all_to_all_bytes(rows, rank, 3, 4)
+
+
+def test_bad_moe_settings_are_refused_before_any_rank_waits():
+    for args, match in (((4, 5, 1.0), "top_k=5 must be between 1 and n_expert=4"),
+                        ((4, 1, 0.0), "capacity_factor must be > 0"), ((0, 1, 1.0), "n_expert")):
+        with pytest.raises(ValueError, match=match):
+            check_moe(*args)
+    with pytest.raises(ValueError, match="n_expert=6 does not split over ep=4"):
+        class Solo:
+            world_size, rank = 4, 0
+        ExpertParallelMoE(MoE(8, 6), Solo())
+    r = route(torch.zeros(10, 4), 1, 1.0)      # a uniform router: the aux loss at its minimum, 1
+    assert abs(r.aux.item() - 1.0) < 1e-12

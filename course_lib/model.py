@@ -104,13 +104,19 @@ class CausalSelfAttention(nn.Module):
         q = self.wq(x).view(B, T, nh_local, hs).transpose(1, 2)   # (B, nh, T, hs)
         k = self.wk(x).view(B, T, nh_local, hs).transpose(1, 2)   # (B, nh, T, hs)
         v = self.wv(x).view(B, T, nh_local, hs).transpose(1, 2)   # (B, nh, T, hs)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))   # (B, nh, T, T)
+        y = self.attend(q, k, v)                                   # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, local)                 # (B, T, d_local)
+        return self.resid_drop(self.wo(y))                         # (B, T, d)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core softmax(q·kᵀ/√hs + causal mask)·v; context parallelism replaces it per instance
+        (`course_lib.parallel.context.apply_cp`) with ring attention over the tokens of every cp rank."""
+        T = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))   # (B, nh, T, T)
         att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
         att = F.softmax(att, dim=-1)                               # (B, nh, T, T)
         att = self.attn_drop(att)
-        y = att @ v                                                # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, local)                 # (B, T, d_local)
-        return self.resid_drop(self.wo(y))                         # (B, T, d)
+        return att @ v                                             # (B, nh, T, hs)
 
 
 class MLP(nn.Module):

@@ -32,11 +32,14 @@ reduce-scatter of dK, dV backward), the ring sends as much but holds one remote 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.nn as nn
 
 from ..dist.mesh import axis_comm
+from ..model import blocks_of, lm_loss
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -105,7 +108,7 @@ def _rotate(comm, tensors, tag):
     """Start sending `tensors` to the next cp rank and receiving the same shapes from the previous one."""
     r, p = comm.rank, comm.world_size
     sends = [comm.isend(t.contiguous(), (r + 1) % p, tag=tag) for t in tensors]
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
     recvs = [comm.irecv(b, (r - 1) % p, tag=tag) for b in bufs]
     return sends, recvs, bufs
 
@@ -196,5 +199,65 @@ def reference_attention(q, k, v) -> torch.Tensor:
     return torch.softmax(s, -1) @ v
 
 
-__all__ = ["LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard", "ring_bytes_per_layer",
+# ============================================================================================ the GPT, split by tokens
+class ContextParallelGPT(nn.Module):
+    """The course GPT on one cp rank: the same modules under the same names; `embed` keeps this rank's tokens of
+    the (B, T) input and their positions, every block's attention core is ring attention, `loss` is the mean over
+    this rank's tokens. The cp ranks' gradients are partial sums: reduce them over dp × cp, as DDP does
+    (`apply_dp(model, mesh.group("dp", "cp"))`): the mean of the cp ranks' means is the mean over all T tokens."""
+
+    def __init__(self, model, comm, layout: str):
+        super().__init__()
+        cfg = model.config
+        if cfg.dropout > 0:
+            raise ValueError("context parallelism here needs dropout=0: ring attention recombines blocks of the "
+                             "attention map, whose dropout masks would have to match the single process's; use a "
+                             "config with dropout=0")
+        check_cp(cfg.seq_len, comm.world_size, layout)
+        self.config, self.comm, self.layout = cfg, comm, layout
+        self.wte, self.wpe, self.drop, self.blocks, self.ln_f, self.lm_head = (model.wte, model.wpe, model.drop,
+                                                                               model.blocks, model.ln_f, model.lm_head)
+        for block in blocks_of(model):
+            block.attn.attend = functools.partial(_ring_attend, comm=comm, layout=layout)
+
+    def _positions(self, seq_len: int) -> torch.Tensor:
+        return positions(seq_len, self.comm.world_size, self.comm.rank, self.layout)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.config.seq_len}")
+        pos = self._positions(T)
+        return self.drop(self.wte(idx.index_select(1, pos)) + self.wpe(pos))       # (B, T/cp, d)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))                                            # (B, T/cp, V)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets.index_select(1, self._positions(targets.shape[1])))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits, None if targets is None else self.loss(logits, targets)
+
+
+def _ring_attend(q, k, v, *, comm, layout):
+    return ring_attention(q, k, v, comm, seq_len=q.shape[-2] * comm.world_size, layout=layout,
+                          tag="cp")
+
+
+def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelGPT:
+    """Context parallelism over the cp axis: the course GPT (same seed on every rank) as this rank's
+    `ContextParallelGPT`. Apply data parallelism over `mesh.group("dp", "cp")` afterwards."""
+    from ..model import GPT
+    if not isinstance(model, GPT):
+        raise TypeError(f"apply_cp splits the course GPT's sequence (course_lib.model.GPT), got "
+                        f"{type(model).__name__}; apply it before the other techniques")
+    return ContextParallelGPT(model, axis_comm(mesh_or_comm, "cp"), layout)
+
+
+__all__ = ["ContextParallelGPT", "apply_cp", "LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard", "ring_bytes_per_layer",
            "ring_attention", "reference_attention"]

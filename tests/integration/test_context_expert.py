@@ -149,3 +149,36 @@ def test_bad_moe_settings_are_refused_before_any_rank_waits():
         ExpertParallelMoE(MoE(8, 6), Solo())
     r = route(torch.zeros(10, 4), 1, 1.0)      # a uniform router: the aux loss at its minimum, 1
     assert abs(r.aux.item() - 1.0) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------ the GPT under cp × dp
+def _cp_gpt(ctx, cfg, tc, dp, cp, layout):
+    from course_lib.dist.mesh import Mesh
+    from course_lib.model import GPT
+    from course_lib.parallel.context import apply_cp
+    from course_lib.parallel.dp import apply_dp
+    from course_lib.train import LedgerProbe, make_optimizer, run
+    mesh = Mesh(ctx.comm, dp=dp, cp=cp)
+    model = apply_cp(GPT(cfg, seed=tc.seed).double(), mesh, layout=layout)
+    model = apply_dp(model, mesh.group("dp", "cp"))
+    ctx.comm.ledger.reset()
+    r = run(model, make_optimizer(model.parameters(), tc), mesh.batches(cfg.seq_len, tc.batch_size // dp,
+                                                                      seed=tc.data_seed),
+            steps=tc.steps, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=("cp",))])
+    return {"losses": r.losses, "params": r.params, "cp_bytes": [g["cp"] for g in r["ledger"]["group_bytes"]]}
+
+
+@pytest.mark.parametrize("dp, cp, layout", [(1, 2, "zigzag"), (2, 2, "zigzag"), (1, 4, "contiguous")])
+def test_the_gpt_under_context_parallelism_trains_like_one_process(dp, cp, layout):
+    from course_lib.model import GPT, get_config
+    from course_lib.train import TrainConfig, train_reference
+    cfg, tc = get_config("nano", seq_len=16), TrainConfig(steps=2, batch_size=4, lr=1e-2)
+    ref = train_reference(cfg, tc, progress=False, model=GPT(cfg, seed=tc.seed).double())
+    res = launch(_cp_gpt, dp * cp, cfg, tc, dp, cp, layout, timeout=180)
+    want = dict(ref.model.named_parameters())
+    per_step = cfg.n_layer * sum(C.ring_bytes_per_layer(tc.batch_size // dp, cfg.seq_len, cfg.d_model, cp, 8).values())
+    for r in res:
+        assert max((v - want[k]).abs().max().item() for k, v in r["params"].items()) < 1e-12
+        assert r["cp_bytes"] == [per_step] * tc.steps
+    for s in range(tc.steps):                  # the mean of the cp ranks' token means is the mean over all T
+        assert abs(sum(r["losses"][s] for r in res) / len(res) - ref.losses[s]) < 1e-12

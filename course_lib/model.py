@@ -31,6 +31,10 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = False  # share the token embedding with the LM head (GPT-2 does)
     dropout: float = 0.0       # GPT-2's four dropouts (embedding, attention, two residual); 0 = none, as before
+    n_expert: int = 0          # > 0: every block's MLP is a mixture of experts (course_lib.moe, notebook 12)
+    top_k: int = 1             # experts per token
+    capacity_factor: float = 1.25   # slots per expert = ⌈factor · k · tokens / E⌉ per group
+    aux_loss_coef: float = 0.01     # weight of the load-balancing loss in the training loss (Switch: 0.01)
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -43,6 +47,9 @@ class GPTConfig:
                              f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0][:8]}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig.dropout is a probability in [0, 1), got {self.dropout!r}")
+        if self.n_expert:
+            from .moe import check_moe
+            check_moe(self.n_expert, self.top_k, self.capacity_factor)
 
     @property
     def head_dim(self) -> int:
@@ -141,7 +148,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not cfg.n_expert else _moe(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -182,7 +189,7 @@ class GPT(nn.Module):
             elif ".ln" in name or name.startswith("ln_f"):
                 p.fill_(1.0)
             else:
-                std = resid_std if name.endswith(("attn.wo.weight", "mlp.fc_out.weight")) else 0.02
+                std = resid_std if name.endswith(("attn.wo.weight", "fc_out.weight")) else 0.02   # (experts' too)
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
     # pieces, so pipeline stages can run a slice of the model
@@ -202,15 +209,35 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(x)
         loss = None if targets is None else lm_loss(logits, targets)
+        if loss is not None and self.config.n_expert:
+            loss = loss + self.aux_loss()
         return logits, loss
 
     def stage_bounds(self, n_stages: int) -> list[tuple[int, int]]:
         return stage_bounds(self.config.n_layer, n_stages)
 
+    def aux_loss(self):
+        """aux_loss_coef × the mean over MoE layers of their load-balancing loss (0 for a dense model)."""
+        return moe_aux_loss(self)
+
     def tp_linears(self) -> dict[str, tuple[nn.Linear, str]]:
         """Every linear tensor parallelism splits: 'blocks.{i}.attn.wq' -> (module, 'column' | 'row')."""
         return {f"blocks.{i}.{name}": (blk.get_submodule(name), kind)
                 for i, blk in enumerate(self.blocks) for name, kind in TP_PLAN.items()}
+
+
+def _moe(cfg: GPTConfig):
+    from .moe import MoE
+    return MoE(cfg.d_model, cfg.n_expert, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
+               mlp_ratio=cfg.mlp_ratio, bias=cfg.bias)
+
+
+def moe_aux_loss(model: nn.Module):
+    """aux_loss_coef × mean over the model's MoE layers of their last forward's load-balancing loss; 0 if none."""
+    layers = [m for m in model.modules() if hasattr(m, "aux_loss") and hasattr(m, "router")]
+    if not layers:
+        return 0.0
+    return model.config.aux_loss_coef * torch.stack([m.aux_loss() for m in layers]).mean()
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -241,6 +268,8 @@ def param_count(cfg: "GPTConfig | str") -> int:
     b = 1 if c.bias else 0
     attn = 4 * d * d + b * 4 * d
     mlp = 2 * r * d * d + b * (r * d + d)
+    if c.n_expert:
+        mlp = c.n_expert * mlp + c.n_expert * d           # E experts and the router (no bias)
     lns = 2 * (d + b * d)
     per_block = attn + mlp + lns           # = 12d² + 13d for mlp_ratio 4 with biases
     head = 0 if c.tie_weights else V * d

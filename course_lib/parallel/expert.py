@@ -118,6 +118,30 @@ def reduce_expert_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
         p.grad.div_(mesh.size("dp"))
 
 
+class ExpertDataParallel(nn.Module):
+    """Data parallelism for a model with expert-parallel MoE layers: after backward,
+    `finish_gradient_synchronization` reduces replicated parameters over dp and expert parameters over edp
+    (`reduce_expert_parallel_grads`). `train.run` calls it, as it calls DDP's."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh):
+        super().__init__()
+        self.module, self.mesh = module, mesh
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        reduce_expert_parallel_grads(self.module, self.mesh)
+
+
+def set_moe_groups(model: nn.Module, groups: int) -> None:
+    """Capacity groups of every single-process MoE layer of `model` — the reference must decide capacity over the
+    same groups of tokens as the ranks do: one group per rank's micro-batch."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.groups = groups
+
+
 def expert_bytes_per_forward(sent_rows, received_rows, rank: int, d_model: int, elem: int, local_experts: int) -> dict:
     """Exact bytes one MoE layer's forward sends from `rank` (the backward sends the same data bytes again)."""
     p = len(sent_rows)
@@ -126,5 +150,5 @@ def expert_bytes_per_forward(sent_rows, received_rows, rank: int, d_model: int, 
     return {"dispatch": out, "combine": back, "counts": (p - 1) * local_experts * 8}
 
 
-__all__ = ["ExpertParallelMoE", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
+__all__ = ["ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
            "expert_bytes_per_forward", "exchange_sizes"]

@@ -182,3 +182,42 @@ def test_the_gpt_under_context_parallelism_trains_like_one_process(dp, cp, layou
         assert r["cp_bytes"] == [per_step] * tc.steps
     for s in range(tc.steps):                  # the mean of the cp ranks' token means is the mean over all T
         assert abs(sum(r["losses"][s] for r in res) / len(res) - ref.losses[s]) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------ the MoE GPT under ep × dp
+def _ep_gpt(ctx, cfg, tc, dp, ep):
+    from course_lib.dist.mesh import Mesh
+    from course_lib.model import GPT
+    from course_lib.parallel.expert import ExpertDataParallel, apply_ep, is_expert_param
+    from course_lib.train import make_optimizer, run
+    mesh = Mesh(ctx.comm, dp=dp, ep=ep)
+    model = GPT(cfg, seed=tc.seed).double()
+    if ep > 1:
+        apply_ep(model, mesh)
+    wrapped = ExpertDataParallel(model, mesh)
+    r = run(wrapped, make_optimizer(model.parameters(), tc), mesh.batches(cfg.seq_len, tc.batch_size // dp,
+                                                                        seed=tc.data_seed),
+            steps=tc.steps, keep_params=True)
+    experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+    return {"losses": r.losses, "params": r.params, "expert_params": experts}
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2), (4, 4)])
+def test_the_moe_gpt_under_expert_parallelism_trains_like_one_process(dp, ep):
+    from course_lib.model import GPT, get_config
+    from course_lib.moe import expert_param_count
+    from course_lib.parallel.expert import set_moe_groups
+    from course_lib.train import TrainConfig, train_reference
+    cfg = get_config("nano", seq_len=16, n_expert=4, top_k=2, capacity_factor=1.0)
+    tc = TrainConfig(steps=2, batch_size=dp * 2, lr=1e-2)
+    ref_model = GPT(cfg, seed=tc.seed).double()
+    set_moe_groups(ref_model, dp)                 # capacity per rank's micro-batch, as the ranks decide it
+    ref = train_reference(cfg, tc, progress=False, model=ref_model)
+    res = launch(_ep_gpt, dp, cfg, tc, dp, ep, timeout=180)
+    want = dict(ref.model.named_parameters())
+    for r in res:
+        assert max((v - want[k]).abs().max().item() for k, v in r["params"].items()) < 1e-12
+        # each rank holds E/ep experts of every layer
+        assert r["expert_params"] == cfg.n_layer * expert_param_count(cfg.d_model, cfg.n_expert // ep)
+    for s in range(tc.steps):
+        assert abs(sum(r["losses"][s] for r in res) / dp - ref.losses[s]) < 1e-12

@@ -7,7 +7,10 @@ step — and `check`, which says before any rank starts whether the combination 
 
 The fields, and the notebook that builds each technique:
 
-    dp, tp, pp          mesh axis sizes (pp × dp × tp, tp innermost: `course_lib.dist.mesh`)          03, 06, 05
+    dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.dist.mesh`)     03, 06, 05
+    cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
+                        'contiguous'); gradients reduced over dp × cp                                   12
+    ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks      12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
     fsdp_replicate      with zero=3: parameters left whole on every dp rank ('norms+biases', or a
                         size in elements below which a parameter is not sharded)                      04
@@ -53,6 +56,9 @@ class ParallelPlan:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_layout: str = "zigzag"
+    ep: int = 1
     zero: int = 0
     fsdp_replicate: "str | int | None" = None
     schedule: str = "1f1b"
@@ -65,10 +71,16 @@ class ParallelPlan:
     offload_optimizer: str | None = None
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "chunks", "microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "chunks", "microbatches"):
             _positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise PlanError(f"ParallelPlan.zero is the ZeRO stage: 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero!r}")
+        if self.cp_layout not in ("zigzag", "contiguous"):
+            raise PlanError(f"ParallelPlan.cp_layout={self.cp_layout!r}: use 'zigzag' (balanced causal work) or "
+                            f"'contiguous'")
+        if self.dp % self.ep:
+            raise PlanError(f"ParallelPlan: ep={self.ep} must divide dp={self.dp} (expert parallelism spreads the "
+                            f"experts over ep of the dp ranks)")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"ParallelPlan.schedule={self.schedule!r} is not a pipeline schedule; use one of "
                             f"{SCHEDULES}")
@@ -90,7 +102,7 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def replace(self, **changes) -> "ParallelPlan":
         return replace(self, **changes)
@@ -115,8 +127,20 @@ class ParallelPlan:
         from .parallel.tensor import check_tp
         cfg = get_config(config)
         if self.world_size != world_size:
-            raise PlanError(f"pp × dp × tp = {self.pp} × {self.dp} × {self.tp} = {self.world_size}, but there are "
-                            f"{world_size} ranks; choose sizes whose product is {world_size}")
+            cp = f" × cp={self.cp}" if self.cp > 1 else ""
+            raise PlanError(f"pp × dp × tp = {self.pp} × {self.dp} × {self.tp}{cp} = {self.world_size}, but there "
+                            f"are {world_size} ranks; choose sizes whose product is {world_size}")
+        if self.cp > 1:
+            from .parallel.context import check_cp
+            try:
+                check_cp(cfg.seq_len, self.cp, self.cp_layout)
+            except ValueError as e:
+                raise PlanError(str(e)) from None
+        if self.ep > 1 and not cfg.n_expert:
+            raise PlanError(f"ep={self.ep} spreads the experts of MoE layers, but the model is dense (n_expert=0); "
+                            f"use a config with n_expert > 0, or ep=1")
+        if self.ep > 1 and cfg.n_expert % self.ep:
+            raise PlanError(f"n_expert={cfg.n_expert} does not split over ep={self.ep}; use an ep that divides it")
         if self.tp > 1:
             try:
                 check_tp(cfg, self.tp, sequence_parallel=self.sequence_parallel)
@@ -143,6 +167,19 @@ class ParallelPlan:
 
     def _check_combination(self, cfg) -> None:
         """Combinations the course does not build, each with why (the techniques themselves run)."""
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1):
+            raise PlanError(f"context parallelism composes with dp and ZeRO here; with tp={self.tp} or pp={self.pp} "
+                            f"the stages and TP layers would need CP's token positions, which the course does not "
+                            f"build yet; use tp=1 and pp=1 with cp > 1")
+        if self.cp > 1 and cfg.dropout > 0:
+            raise PlanError("context parallelism needs dropout=0 (ring attention recombines blocks of the attention "
+                            "map, whose dropout masks would have to match one process's); use dropout=0")
+        if cfg.n_expert and (self.tp > 1 or self.pp > 1 or self.cp > 1):
+            raise PlanError("a mixture-of-experts model composes with dp and ep here; splitting its experts by tp, "
+                            "its layers by pp or its tokens by cp is not built; use tp = pp = cp = 1 with n_expert > 0")
+        if self.ep > 1 and self.zero:
+            raise PlanError(f"zero={self.zero} shards over dp, but expert parameters are reduced over the smaller "
+                            f"edp group (dp/ep ranks); ZeRO over two groups is not built; use zero=0 with ep > 1")
         if self.zero == 3 and self.pp > 1:
             raise PlanError("zero=3 (FSDP) inside a pipeline would all-gather each stage's parameters for every one "
                             "of the M micro-batch forwards and backwards; use zero=1 or 2 with pp > 1 (as "

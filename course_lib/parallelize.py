@@ -22,16 +22,20 @@ from .dist.mesh import Mesh
 from .parallel_plan import ParallelPlan, PlanError
 
 ORDER = (
+    ("context parallel", "decides which tokens of every sequence this rank holds (and their positions): every later "
+                         "technique sees this rank's T/cp tokens"),
     ("tensor parallel", "rewrites the layers themselves (which rows or columns of each weight this rank holds), so "
                         "it must see whole layers; the stages cut next hold TP's layers, embedding, head and loss"),
     ("pipeline split", "keeps this rank's blocks (and the embedding or the head); everything after it touches only "
                        "what runs here"),
+    ("expert parallel", "replaces each MoE layer by this rank's experts and the all-to-all that feeds them"),
     ("recomputation", "hooks on the blocks that run here, after TP changed their insides: the replay re-runs TP's "
                       "collectives with the block"),
     ("activation offload", "hooks on the same blocks: what recomputation still keeps is what moves off the device"),
     ("precision", "casts what this rank holds to the compute dtype: what ZeRO shards and DP reduces is then in it"),
-    ("data parallel / ZeRO", "outermost: reduces or shards whatever parameters this rank now has, over dp; a TP "
-                             "shard of one stage's weight is just a tensor to it"),
+    ("data parallel / ZeRO", "outermost: reduces or shards whatever parameters this rank now has, over dp (× cp: "
+                             "cp ranks hold partial gradients; expert weights over edp); a TP shard of one stage's "
+                             "weight is just a tensor to it"),
     ("optimizer", "built once, last, over exactly what this rank updates (fp32 masters under mixed precision, "
                   "its shard under ZeRO, on the host or disk under offload)"),
 )
@@ -94,11 +98,11 @@ def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None) -> Paralle
         raise TypeError(f"parallelize needs a course_lib.dist.mesh.Mesh, got {type(mesh).__name__}; build one with "
                         f"Mesh(ctx.comm, pp=…, dp=…, tp=…)")
     plan.check(model.config, mesh.world.world_size, batch_size=tc.batch_size)
-    sizes = {a: mesh.size(a) for a in ("pp", "dp", "tp")}
-    if sizes != {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp}:
-        raise PlanError(f"the mesh is pp × dp × tp = {sizes['pp']} × {sizes['dp']} × {sizes['tp']} but the plan asks "
-                        f"for {plan.pp} × {plan.dp} × {plan.tp}; build Mesh(comm, pp={plan.pp}, dp={plan.dp}, "
-                        f"tp={plan.tp})")
+    sizes = {a: mesh.size(a) for a in ("pp", "dp", "cp", "tp", "ep")}
+    want = {a: getattr(plan, a) for a in sizes}
+    if sizes != want:
+        raise PlanError(f"the mesh has {sizes} but the plan asks for {want}; build "
+                        f"Mesh(comm, {', '.join(f'{a}={v}' for a, v in want.items())})")
     return _build(model, mesh, plan, tc)
 
 
@@ -110,10 +114,15 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
     from .parallel.tensor import apply_tp
     from .parallel.zero import ShardedOptimizer
     from .train import forward_backward, make_optimizer, optimizer_kwargs
+    from .parallel.context import apply_cp
+    from .parallel.expert import ExpertDataParallel, apply_ep
     applied = []
     cfg = model.config
     M = plan.microbatches
-    if plan.tp > 1:                                                                   # 1. tensor parallel
+    if plan.cp > 1:                                                                   # context parallel
+        model = apply_cp(model, mesh, layout=plan.cp_layout)
+        applied.append(("context parallel", model))
+    if plan.tp > 1:                                                                   # tensor parallel
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
         applied.append(("tensor parallel", model))
     step_fn, pipe = forward_backward, None
@@ -121,6 +130,9 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
         model, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=plan.schedule, chunks=plan.chunks)
         step_fn = pipe
         applied.append(("pipeline split", pipe))
+    if plan.ep > 1:                                                                   # expert parallel
+        apply_ep(model, mesh)
+        applied.append(("expert parallel", model))
     if plan.recompute is not None:                                                    # 3. recomputation
         apply_recompute(model, mesh, policy=plan.recompute)
         applied.append(("recomputation", model))
@@ -130,13 +142,16 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
         raise PlanError("precision is not composed yet")
     optimizer = None                                                                  # 6. data parallel / ZeRO
     wrapped = model
-    if plan.zero == 3:
-        wrapped = apply_fsdp(model, mesh)
+    group = mesh.group("dp", "cp")
+    if cfg.n_expert:
+        wrapped = ExpertDataParallel(model, mesh)
+    elif plan.zero == 3:
+        wrapped = apply_fsdp(model, group)
     elif plan.zero in (1, 2):
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, mesh["dp"], stage=plan.zero,
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, group, stage=plan.zero,
                                      **optimizer_kwargs(tc))
-    elif plan.dp > 1:
-        wrapped = apply_dp(model, mesh, kind="bucket")
+    elif group.world_size > 1:
+        wrapped = apply_dp(model, group, kind="bucket")
     if wrapped is not model:
         applied.append(("data parallel / ZeRO", wrapped))
     if optimizer is None:                                                             # 7. optimizer

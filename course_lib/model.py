@@ -162,7 +162,8 @@ TP_PLAN = {"attn.wq": "column", "attn.wk": "column", "attn.wv": "column", "attn.
 
 class GPT(nn.Module):
     """Toy GPT. `forward(idx, targets)` returns (logits, loss). Pieces are exposed for pipeline stages:
-    `embed(idx)`, `blocks[i]`, `head(x)`; `stage_bounds(n)` cuts the blocks into contiguous stages."""
+    `embed(idx)`, `blocks[i]`, `head(x)`, `loss(logits, targets)`; `stage_bounds(n)` cuts the blocks into
+    contiguous stages."""
 
     def __init__(self, cfg: "GPTConfig | str" = "nano", *, seed: int = 0):
         super().__init__()
@@ -203,12 +204,20 @@ class GPT(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))                       # (B, T, V)
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's own loss on its own logits (a tensor-parallel model has a vocab-parallel one)."""
+        return lm_loss(logits, targets)
+
+    def hidden_shape(self, batch_size: int, seq_len: int | None = None) -> tuple[int, int, int]:
+        """The shape of what flows from one block to the next (and across a pipeline stage boundary)."""
+        return (batch_size, seq_len or self.config.seq_len, self.config.d_model)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        loss = None if targets is None else lm_loss(logits, targets)
+        loss = None if targets is None else self.loss(logits, targets)
         if loss is not None and self.config.n_expert:
             loss = loss + self.aux_loss()
         return logits, loss

@@ -17,6 +17,11 @@ into N equal shards. Rank r owns shard r of every bucket: only rank r keeps opti
     stage 2  backward: once a bucket's gradients are complete, reduce-scatter it and keep only my shard of it
              step: optimizer on my shard → all-gather
 
+Gradient accumulation and pipelines (many backward passes per step) reduce ONCE per step, as DDP does: under
+`no_sync()` the gradients only add up in the buckets (stage 2 then holds the whole gradient until the step, as
+Megatron's distributed optimizer does), and `finish_gradient_synchronization()` — or the last backward outside
+`no_sync`, or `step()` — reduce-scatters each bucket once.
+
 A ring all-reduce *is* a reduce-scatter followed by an all-gather, so DDP and stages 1 and 2 move the same bytes;
 stage 1 merely runs the optimizer between the two halves, on the one shard every rank then holds reduced.
 
@@ -30,15 +35,19 @@ K = number of buckets = tensors the inner optimizer steps, each with AdamW's 4-b
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import all_gather_ring, reduce_scatter_ring
+from ..dist.collectives import (all_gather_ring, reduce_scatter_ring, ring_all_gather_bytes,
+                                ring_reduce_scatter_bytes)
 from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
 from ..dist.mesh import axis_comm
 from ..memory import alloc_category
 from .dp import DataParallelBucket
 from .fsdp import apply_fsdp
+from .pipeline.stage import PipelineStage
 
 DEFAULT_BUCKET_CAP_BYTES = 256 * 1024
 
@@ -53,6 +62,14 @@ def model_state_bytes(psi: int, world_size: int, stage: int, *, param: int = 4, 
     return {"parameters": param * psi // (n if stage >= 3 else 1),
             "gradients": grad * psi // (n if stage >= 2 else 1),
             "optimizer": optim * psi // (n if stage >= 1 else 1)}
+
+
+def zero_bytes_per_step(padded_numels, world_size: int, rank: int, elem_bytes: int) -> int:
+    """Bytes dp rank `rank` sends per step in ZeRO-1 or ZeRO-2 reducing once per step: per bucket of P elements
+    (padded to a multiple of N), a ring reduce-scatter of the gradients and a ring all-gather of the updated
+    parameters, (N−1)/N·P·e each — DDP's 2(N−1)/N·P·e."""
+    return sum(ring_reduce_scatter_bytes(n, world_size, rank, elem_bytes)
+               + ring_all_gather_bytes(n, world_size, rank, elem_bytes) for n in padded_numels)
 
 
 class _Bucket:
@@ -100,6 +117,7 @@ class ShardedOptimizer:
                              f"data parallelism is course_lib.parallel.dp, stage 3 course_lib.parallel.fsdp.FSDP "
                              f"(course_lib.parallel.compose.apply_zero builds any stage)")
         self.comm, self.stage, self.tag = comm, stage, tag
+        self.require_backward_grad_sync = True     # False inside no_sync(): accumulate only, reduce later
         params = list(dict.fromkeys(p for p in params if p.requires_grad))    # unique: a tied weight once
         if not params:
             raise ValueError("ShardedOptimizer got no trainable parameters")
@@ -130,17 +148,45 @@ class ShardedOptimizer:
         """K: shard tensors the inner optimizer holds state for (one per bucket)."""
         return len(self.buckets)
 
+    def expected_bytes_sent(self, rank: int | None = None) -> int:
+        """Closed form of the bytes `rank` sends over dp per step (`zero_bytes_per_step` of these buckets)."""
+        rank = self.comm.rank if rank is None else rank
+        return zero_bytes_per_step([b.padded for b in self.buckets], self.comm.world_size, rank,
+                                   self.buckets[0].flat.element_size())
+
     # ---------------------------------------------------------------- gradients
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._bucket_of[p]
-        if b.grad is None:    # stage 2: a transient send buffer of the reduce-scatter, not a resident gradient
-            with alloc_category("comm" if self.stage == 2 else "gradients"):
+        sync = self.require_backward_grad_sync
+        if b.grad is None:    # stage 2: a transient send buffer of the reduce-scatter, unless it accumulates
+            with alloc_category("comm" if self.stage == 2 and sync else "gradients"):
                 b.grad = b.layout.new()
         b.layout.view(b.grad, p).add_(p.grad)   # add: several backward passes accumulate, as p.grad would
         p.grad = None
+        if not sync:                            # no_sync: the arrivals of a synchronized backward are counted
+            return
         b.arrived += 1
         if self.stage == 2 and b.arrived == len(b.params):
             self._reduce(b)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation (and pipeline micro-batches): inside this block gradients only add up in the
+        buckets; the first synchronized backward after it, `finish_gradient_synchronization()` or `step()`
+        reduces their sum once — the same interface as the DDP wrappers'."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def finish_gradient_synchronization(self) -> None:
+        """Stage 2: reduce-scatter every bucket still holding gradients (those accumulated under no_sync); stage 1
+        reduces in `step()`. Nothing inside no_sync."""
+        if self.require_backward_grad_sync and self.stage == 2:
+            for b in self.buckets:
+                if b.grad is not None:
+                    self._reduce(b)
 
     def _reduce(self, b: _Bucket) -> None:
         if b.grad is None:                      # no gradient arrived at all: reduce zeros, every rank does the same
@@ -161,7 +207,7 @@ class ShardedOptimizer:
         if closure is not None:
             raise ValueError("ShardedOptimizer.step does not take a closure")
         for b in self.buckets:
-            if self.stage == 1 or b.arrived:    # stage 2: buckets whose last gradient never came (unused params)
+            if self.stage == 1 or b.grad is not None:   # stage 2: what no bucket-complete reduction took yet
                 self._reduce(b)
         self.optimizer.step()
         for b in self.buckets:                  # my updated shard lands in place, the others around it
@@ -202,6 +248,9 @@ def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, optimizer_cls=torc
     the course builds a ZeRO stage. Train with `course_lib.train.run(model, optimizer, batches, ...)`."""
     if stage not in STAGE_NAMES:
         raise ValueError(f"ZeRO stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if stage == 3 and isinstance(model, PipelineStage):
+        raise ValueError("ZeRO-3 does not compose with a pipeline stage here: it would all-gather the parameters "
+                         "in every micro-batch's forward and backward; use zero stage 1 or 2 with pipelines")
     comm = axis_comm(mesh_or_comm, "dp")
     if stage == 0:
         model = DataParallelBucket(model, comm, bucket_cap_bytes=bucket_cap_bytes or _whole(model))

@@ -5,6 +5,12 @@ forward and their gradients backward through the traffic ledger, so every byte b
     train.run(stage, make_optimizer(stage.parameters(), tc), mesh.batches(T, b, accum_steps=M),
               steps=…, step_fn=step_fn)                               # THE training loop; the optimizer steps this stage
 
+Every forward goes through the model `train.run` hands the step function — the outermost wrapper around the stage
+(data parallelism, precision, offload …), called as `model(x, targets, stage=k)` — so whatever wraps the stage runs
+in every micro-batch's forward. Gradients are reduced over dp once per step: the schedule runs under the reducer's
+`no_sync()` and ends with one `finish_gradient_synchronization()` — the DDP wrapper `model` is, or the ZeRO-1/2
+`ShardedOptimizer` given as `pipeline.data_parallel`.
+
 On rank r, for each op of `schedule.ops[r]` in order:
 
     F(k, mb)   input: token ids (stage 0) or a receive from stage k−1; run stage k; the last stage computes the
@@ -20,7 +26,7 @@ the end of the step. With these rules a schedule runs exactly when `schedules.va
 
 Checked against (docs/formulas.md §3.5): per step, each boundary between consecutive stages carries
 2·M·b·T·d·e bytes (activations forward, gradients backward), v times as many boundaries with v chunks per rank —
-read from the ledger per rank, under the 'pp' axis. Gradients equal the single-process model's on the same
+read from the ledger per rank, under the 'pp' axis; with sequence parallelism each tp rank sends its slice, T/t. Gradients equal the single-process model's on the same
 micro-batches (float64: the pipeline only regroups the same additions).
 """
 from __future__ import annotations
@@ -35,15 +41,15 @@ from ...dist.mesh import axis_comm
 from ...memory import now
 from ...model import GPTConfig, get_config
 from .schedules import Op, Schedule, make_schedule
-from .stage import PipelineStage, defer_weight_grads, run_weight_grads, split_layers
+from .stage import PipelineStage, check_splittable, defer_weight_grads, run_weight_grads, split_layers
 
 ACTIVATION_TAG = "pp_activation"     # ledger tags of what crosses a stage boundary
 GRADIENT_TAG = "pp_gradient"
 
 
-# ============================================================================================ the plan (no ranks)
+# ============================================================================================ the layout (no ranks)
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelineLayout:
     """What every rank agrees on before it starts: the schedule and the blocks of each (virtual) stage."""
     schedule: Schedule
     bounds: tuple                      # [start, end) blocks of each virtual stage
@@ -56,9 +62,19 @@ class PipelinePlan:
     def num_microbatches(self) -> int:
         return self.schedule.num_microbatches
 
+    def parts(self, pp_rank: int) -> dict:
+        """What pp rank `pp_rank` holds: its number of blocks, and whether the embedding (stage 0) and the head and
+        loss (the last virtual stage) are on it — the keywords `tensor.tp_bytes_per_microbatch` takes."""
+        stages = self.schedule.stages_of(pp_rank)
+        return {"layers": sum(self.bounds[k][1] - self.bounds[k][0] for k in stages), "embed": 0 in stages,
+                "head": self.schedule.num_virtual_stages - 1 in stages}
+
+
+PipelinePlan = PipelineLayout          # its former name (notebooks and labs may still use it)
+
 
 def plan_pipeline(cfg: "GPTConfig | str", pp_size: int, num_microbatches: int, schedule="1f1b", *, chunks: int = 1,
-                  layers=None, world_size: int | None = None) -> PipelinePlan:
+                  layers=None, world_size: int | None = None) -> PipelineLayout:
     """Check the pipeline's shape and build its plan; every bad input raises ONE ValueError that names the fix —
     call it before `launch` (apply_pipeline calls it again on every rank, before any rank talks to another)."""
     cfg = get_config(cfg)
@@ -85,19 +101,22 @@ def plan_pipeline(cfg: "GPTConfig | str", pp_size: int, num_microbatches: int, s
         raise ValueError(f"cannot split n_layer={L} blocks into {pp_size} stage(s) × {chunks} chunk(s): every stage "
                          f"needs at least one block; use pp_size·chunks ≤ {L}, or a preset with more layers")
     bounds = tuple(split_layers(L, pp_size * chunks, layers))
-    return PipelinePlan(make_schedule(schedule, pp_size, num_microbatches, chunks), bounds)
+    return PipelineLayout(make_schedule(schedule, pp_size, num_microbatches, chunks), bounds)
 
 
 # ============================================================================================ one rank's executor
 class Pipeline:
     """This rank's executor; called as `step_fn(model, batches, step, phase)` by `train.run`. `model` is the stage
-    or a data-parallel wrapper around it (its gradients are then reduced over dp after the schedule: `no_sync`
-    while the micro-batches run, one `finish_gradient_synchronization()` at the end).
+    or any wrapper around it that forwards `(x, targets, stage=k)` to it; every forward runs through it.
+
+    Gradients are reduced over dp once per step, after the schedule (`no_sync` while the micro-batches run, one
+    `finish_gradient_synchronization()` at the end), by `data_parallel` if set — a ZeRO-1/2 `ShardedOptimizer`,
+    which the model does not wrap — else by `model` if it is a data-parallel wrapper.
 
     `records` lists every op this rank ran: (step, op, t0, t1) on the ledger's clock, for timelines.
     """
 
-    def __init__(self, stage: PipelineStage, comm, plan: PipelinePlan):
+    def __init__(self, stage: PipelineStage, comm, plan: PipelineLayout):
         self.stage, self.comm, self.plan, self.schedule = stage, comm, plan, plan.schedule
         if comm.world_size != plan.num_stages:
             raise ValueError(f"the plan has {plan.num_stages} stages but the pp axis has {comm.world_size} ranks")
@@ -106,6 +125,8 @@ class Pipeline:
         self.last = self.schedule.num_virtual_stages - 1
         self.split = self.schedule.split_backward
         self.records: list = []
+        self.data_parallel = None             # what reduces the gradients over dp (see the class docstring)
+        self._model = stage                   # what each forward runs through (the step's outermost model)
         self.loss_scale = 1.0 / self.schedule.num_microbatches
         # per sending rank, the messages it sends to this rank, in its send order (see the module docstring)
         self._order = {src: [key for op in self.schedule.ops[src] for key, dst in self._sends(op) if dst == self.rank]
@@ -127,7 +148,7 @@ class Pipeline:
         order = self._order[src]
         while key not in self._inbox:         # post the sender's earlier messages first (they match in order)
             k = order[self._posted[src]]
-            buf = torch.empty(self._shape, dtype=self._dtype)      # (b, T, d)
+            buf = torch.empty(self._shape, dtype=self._dtype)      # (b, T, d); (b, T/t, d) under SP
             self._inbox[k] = (self.comm.irecv(buf, src, tag=ACTIVATION_TAG if k[0] == "act" else GRADIENT_TAG), buf)
             self._posted[src] += 1
         handle, buf = self._inbox.pop(key)
@@ -158,7 +179,7 @@ class Pipeline:
             self._pending[(op.stage, op.mb)] = pending
 
     def _stage_forward(self, op: Op, x, targets):
-        return self.stage(x, targets, stage=op.stage)
+        return self._model(x, targets, stage=op.stage)
 
     def _backward(self, op: Op, batches, step: int) -> None:
         x, out = self._live.pop((op.stage, op.mb))
@@ -175,14 +196,16 @@ class Pipeline:
         run_weight_grads(self._pending.pop((op.stage, op.mb)))
 
     # ------------------------------------------------------------------ a step
-    def run(self, batches, step: int, phase=None) -> float:
-        """Run this rank's ops for `step`; return the mean loss over the M micro-batches on the rank that holds the
-        last stage, NaN elsewhere (the loss lives there; sending it would add traffic to the boundary count)."""
+    def run(self, batches, step: int, phase=None, model=None) -> float:
+        """Run this rank's ops for `step`, each forward through `model` (default: the stage); return the mean loss
+        over the M micro-batches on the rank that holds the last stage, NaN elsewhere (the loss lives there;
+        sending it would add traffic to the boundary count)."""
         M = self.schedule.num_microbatches
         if getattr(batches, "accum_steps", M) != M:
             raise ValueError(f"the pipeline runs M={M} micro-batches per step but the batches have accum_steps="
                              f"{batches.accum_steps}; use mesh.batches(seq_len, micro_batch_size, accum_steps={M})")
-        self._shape = (batches.micro_batch_size, batches.seq_len, self.stage.config.d_model)
+        self._model = self.stage if model is None else model
+        self._shape = self.stage.hidden_shape(batches.micro_batch_size, batches.seq_len)
         self._dtype = next(self.stage.parameters()).dtype
         self._inbox, self._arrived, self._posted, self._outbox = {}, {}, dict.fromkeys(self._order, 0), []
         self._live, self._pending, self._losses = {}, {}, []
@@ -207,9 +230,10 @@ class Pipeline:
         return torch.stack(self._losses).mean().item()
 
     def __call__(self, model, batches, step: int, phase) -> float:
-        sync = getattr(model, "finish_gradient_synchronization", None)
-        with model.no_sync() if sync is not None else contextlib.nullcontext():
-            loss = self.run(batches, step, phase)
+        dp = self.data_parallel if self.data_parallel is not None else model
+        sync = getattr(dp, "finish_gradient_synchronization", None)
+        with dp.no_sync() if sync is not None else contextlib.nullcontext():
+            loss = self.run(batches, step, phase, model=model)
         if sync is not None:
             with phase("sync"):
                 sync()
@@ -221,9 +245,11 @@ class Pipeline:
 
 
 def apply_pipeline(model, mesh_or_comm, *, num_microbatches: int, schedule="1f1b", chunks: int = 1, layers=None):
-    """Cut `model` (the course GPT) into pipeline stages over the mesh's pp axis; return (this rank's
-    `PipelineStage`, its `Pipeline` step_fn for `train.run`). Apply data parallelism to the stage afterwards
-    (`compose.apply_dp(stage, mesh)`): it reduces the stage's gradients over dp."""
+    """Cut `model` — the course GPT, or its tensor-parallel form (`tensor.apply_tp`; it can also come after, on the
+    stage) — into pipeline stages over the mesh's pp axis; return (this rank's `PipelineStage`, its `Pipeline`
+    step_fn for `train.run`). Apply data parallelism or ZeRO to the stage afterwards (`apply_dp(stage, mesh)`, or
+    `apply_zero(stage, mesh, 1 | 2)` with `pipeline.data_parallel = optimizer`): they reduce its gradients over dp."""
+    check_splittable(model)
     comm = axis_comm(mesh_or_comm, "pp")
     plan = plan_pipeline(model.config, comm.world_size, num_microbatches, schedule, chunks=chunks, layers=layers)
     stage = PipelineStage(model, plan.schedule.stages_of(comm.rank), plan.bounds, plan.schedule.num_virtual_stages)
@@ -237,8 +263,9 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
     The global batch of `tc.batch_size` sequences is dp_size × M micro-batches of b sequences. `recompute` (a
     policy name or Plan, notebook 08) recomputes the activations of this rank's blocks (compose.apply_recompute on
     the stage). With dp_size > 1 the stage's gradients are reduced over dp by the course's DDP (`data_parallel`
-    kind, compose.apply_dp) or ZeRO (`zero_stage` 1 or 2, compose.apply_zero). Returns (train.Run, this rank's
-    PipelineStage, its Pipeline); `pipeline.data_parallel` is the DDP wrapper (or None)."""
+    kind, compose.apply_dp) or ZeRO (`zero_stage` 1 or 2, compose.apply_zero; ZeRO-3 is refused there). Returns
+    (train.Run, this rank's PipelineStage, its Pipeline); `pipeline.data_parallel` is the DDP wrapper or the ZeRO
+    optimizer (or None): its bucket layout gives the dp bytes."""
     from ...model import GPT
     from ...train import make_optimizer, optimizer_kwargs, run
     from ...memopt.recompute import apply_recompute
@@ -255,14 +282,12 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
         apply_recompute(stage, mesh, policy=recompute)
     wrapped, optimizer = stage, None
     if zero_stage is not None:
-        if zero_stage not in (1, 2):
-            raise ValueError(f"a pipeline stage composes with ZeRO stage 1 or 2 over dp, not {zero_stage!r}: ZeRO-3 "
-                             f"gathers parameters per forward, which a schedule of many small forwards would repeat")
         wrapped, optimizer = apply_zero(stage, mesh, zero_stage, **optimizer_kwargs(tc))
+        # ZeRO-1/2 reduce in the optimizer (the stage is not wrapped); ZeRO-0 is DDP, the wrapper
+        pipe.data_parallel = wrapped if wrapped is not stage else optimizer
     elif dp > 1:
-        wrapped = apply_dp(stage, mesh, kind=data_parallel)
+        wrapped = pipe.data_parallel = apply_dp(stage, mesh, kind=data_parallel)
     optimizer = optimizer or make_optimizer(stage.parameters(), tc)
-    pipe.data_parallel = wrapped if wrapped is not stage else None      # its bucket layout gives the dp bytes
     batches = mesh.batches(model.config.seq_len, tc.batch_size // (dp * M), accum_steps=M, seed=tc.data_seed)
     try:
         out = run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, step_fn=pipe, keep_params=keep_params)
@@ -272,12 +297,17 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
     return out, stage, pipe
 
 
-def boundary_bytes(plan: PipelinePlan, micro_batch_size: int, seq_len: int, d_model: int, elem_bytes: int) -> list:
-    """Bytes each pp rank sends per step (docs/formulas.md §3.5): M·b·T·d·e for every activation it sends forward
+def boundary_bytes(plan: PipelineLayout, micro_batch_size: int, seq_len: int, d_model: int, elem_bytes: int, *,
+                   tp_size: int = 1, sequence_parallel: bool = False) -> list:
+    """Bytes each pp rank sends per step (docs/formulas.md §3.5): M·b·s·d·e for every activation it sends forward
     (each of its stages but the last virtual stage) and every gradient it sends back (each but stage 0); a
-    boundary between two stages therefore carries 2·M·b·T·d·e."""
+    boundary between two stages therefore carries 2·M·b·s·d·e. s = T, or T/t under sequence parallelism, where each
+    tp rank sends only its slice of the sequence (without it every tp rank sends the whole, replicated, tensor)."""
+    if sequence_parallel and seq_len % tp_size:
+        raise ValueError(f"sequence parallelism splits seq_len={seq_len} over tp_size={tp_size}: use a multiple")
     s = plan.schedule
-    per = s.num_microbatches * micro_batch_size * seq_len * d_model * elem_bytes
+    per = s.num_microbatches * micro_batch_size * (seq_len // tp_size if sequence_parallel else seq_len) \
+        * d_model * elem_bytes
     out = []
     for r in range(s.num_stages):
         stages = s.stages_of(r)
@@ -285,5 +315,5 @@ def boundary_bytes(plan: PipelinePlan, micro_batch_size: int, seq_len: int, d_mo
     return out
 
 
-__all__ = ["PipelinePlan", "plan_pipeline", "Pipeline", "apply_pipeline", "train_pipeline", "boundary_bytes", "ACTIVATION_TAG",
-           "GRADIENT_TAG"]
+__all__ = ["PipelineLayout", "PipelinePlan", "plan_pipeline", "Pipeline", "apply_pipeline", "train_pipeline",
+           "boundary_bytes", "ACTIVATION_TAG", "GRADIENT_TAG"]

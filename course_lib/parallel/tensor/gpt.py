@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from ...dist.mesh import axis_comm
 from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ...model import GPT
+from ...model import GPT, TP_PLAN
+from ..pipeline.stage import PipelineStage
 from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
                        padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
 from .sequence import SequenceParallelLayerNorm, SequenceParallelRegion, saving_slice_only
@@ -35,28 +36,26 @@ STYLES = ("vocab_embedding", "region", "colwise", "rowwise", "sequence", "replic
 _KIND_TO_STYLE = {"column": "colwise", "row": "rowwise"}
 
 
-def tp_plan(model: GPT, *, sequence_parallel: bool = False, plan: str = "megatron") -> list[tuple[str, str]]:
-    """The table `apply_tp` follows: (module name, style) for every module tensor parallelism touches.
-    plan='megatron' puts f (or SP's g) once at the entry of attention and MLP; 'naive' lets every column-parallel
-    linear apply its own f (1D only)."""
+def tp_plan(model, *, sequence_parallel: bool = False, plan: str = "megatron") -> list[tuple[str, str]]:
+    """The table `apply_tp` follows: (module name, style) for every module tensor parallelism touches — of a GPT,
+    or of a pipeline stage (its blocks, under the GPT's indices, and the embedding or head only where it holds
+    them). plan='megatron' puts f (or SP's g) once at the entry of attention and MLP; 'naive' lets every
+    column-parallel linear apply its own f (1D only)."""
     if plan not in ("megatron", "naive"):
         raise ValueError(f"plan must be 'megatron' (f once per region: 4 all-reduces per block) or 'naive' "
                          f"(f in every column-parallel linear: 6), got {plan!r}")
     if plan == "naive" and sequence_parallel:
         raise ValueError("sequence parallelism needs plan='megatron': the sequence is gathered once per region")
     per_rank = "sequence" if sequence_parallel else "replicate"
-    table = [("wte", "vocab_embedding"), ("wpe", per_rank)]
-    linears = model.tp_linears()                                # 'blocks.{i}.attn.wq' -> (module, 'column' | 'row')
-    for i in range(len(model.blocks)):
-        table.append((f"blocks.{i}.ln1", per_rank))
-        if plan == "megatron":
-            table.append((f"blocks.{i}.attn", "region"))
-        table += [(n, _KIND_TO_STYLE[k]) for n, (_, k) in linears.items() if n.startswith(f"blocks.{i}.attn.")]
-        table.append((f"blocks.{i}.ln2", per_rank))
-        if plan == "megatron":
-            table.append((f"blocks.{i}.mlp", "region"))
-        table += [(n, _KIND_TO_STYLE[k]) for n, (_, k) in linears.items() if n.startswith(f"blocks.{i}.mlp.")]
-    return table + [("ln_f", per_rank), ("lm_head", "vocab_head")]
+    held = dict(model.named_children())
+    table = [(n, style) for n, style in (("wte", "vocab_embedding"), ("wpe", per_rank)) if n in held]
+    for i, _ in model.blocks.named_children():     # '0', '1', … of a GPT; the GPT's block indices on a stage
+        for region in ("attn", "mlp"):
+            table.append((f"blocks.{i}.{'ln1' if region == 'attn' else 'ln2'}", per_rank))
+            if plan == "megatron":
+                table.append((f"blocks.{i}.{region}", "region"))
+            table += [(f"blocks.{i}.{n}", _KIND_TO_STYLE[k]) for n, k in TP_PLAN.items() if n.startswith(region + ".")]
+    return table + [(n, style) for n, style in (("ln_f", per_rank), ("lm_head", "vocab_head")) if n in held]
 
 
 def check_tp(cfg, tp_size: int, *, sequence_parallel: bool = False, pad_vocab: bool = True) -> int:
@@ -83,18 +82,21 @@ def check_tp(cfg, tp_size: int, *, sequence_parallel: bool = False, pad_vocab: b
 class TensorParallelGPT(nn.Module):
     """The course GPT after `apply_tp`: the same submodules under the same names, each in its tensor-parallel form.
     `forward(idx, targets)` returns (this rank's logits (B, T, V/t), loss); `embed`, `blocks`, `head` and `loss`
-    are the pieces, as in `GPT`. With sequence parallelism, what flows between blocks is (B, T/t, d)."""
+    are the pieces, as in `GPT`. With sequence parallelism, what flows between blocks is (B, T/t, d)
+    (`hidden_shape`). Built over a pipeline stage, it holds only the stage's modules (the stage runs its pieces)."""
 
-    def __init__(self, model: GPT, comm, table, *, sequence_parallel: bool, regather: bool, vocab: int):
+    def __init__(self, model: nn.Module, comm, table, *, sequence_parallel: bool, regather: bool, vocab: int):
         super().__init__()
         self.config, self.comm, self.table = model.config, comm, list(table)
         self.sequence_parallel, self.regather, self.vocab = sequence_parallel, regather, vocab
-        self.wte, self.wpe, self.blocks, self.ln_f, self.lm_head = (model.wte, model.wpe, model.blocks, model.ln_f,
-                                                                   model.lm_head)
+        held = dict(model.named_children())
+        for name in ("wte", "wpe", "blocks", "ln_f", "lm_head"):
+            if name in held:
+                setattr(self, name, held[name])
         self._split = {}                          # parameter name -> (dim, rows padded to) of what this rank holds
         for name, module in self.named_modules():
             if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                rows = vocab if module in (self.wte, self.lm_head) else None
+                rows = vocab if name in ("wte", "lm_head") else None
                 self._split.update({f"{name}.{p}": (0, rows) for p, _ in module.named_parameters()})
             elif isinstance(module, RowParallelLinear):
                 self._split[f"{name}.weight"] = (1, None)
@@ -102,6 +104,14 @@ class TensorParallelGPT(nn.Module):
     @property
     def tp_size(self) -> int:
         return self.comm.world_size
+
+    def hidden_shape(self, batch_size: int, seq_len: int | None = None) -> tuple[int, int, int]:
+        """What flows between blocks on this rank: (B, T, d), or this rank's slice (B, T/t, d) under SP."""
+        T = seq_len or self.config.seq_len
+        if self.sequence_parallel and T % self.tp_size:
+            raise ValueError(f"sequence parallelism splits the sequence: length {T} is not a multiple of "
+                             f"tp_size={self.tp_size}")
+        return (batch_size, T // self.tp_size if self.sequence_parallel else T, self.config.d_model)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
@@ -152,16 +162,36 @@ class TensorParallelGPT(nn.Module):
         return full.chunk(self.tp_size, dim)[self.comm.rank]
 
 
-def apply_tp(model: GPT, mesh_or_comm, *, sequence_parallel: bool = False, regather: bool = True,
-             plan: str = "megatron", pad_vocab: bool = True) -> TensorParallelGPT:
+def _check_tp_input(model) -> bool:
+    """True for a pipeline stage, False for a GPT; one clear TypeError for anything else."""
+    if isinstance(model, PipelineStage):
+        if isinstance(model.model, TensorParallelGPT):
+            raise TypeError("this pipeline stage is tensor-parallel already: apply_tp once, before or after the split")
+        if not isinstance(model.model, GPT):
+            raise TypeError(f"apply_tp rewrites a stage of the course GPT, not of {type(model.model).__name__}")
+        return True
+    if isinstance(model, GPT):
+        return False
+    if isinstance(model, TensorParallelGPT):
+        raise TypeError("this model is tensor-parallel already: apply_tp once")
+    inner = f" around {type(model.module).__name__}" if isinstance(getattr(model, "module", None), nn.Module) else ""
+    raise TypeError(f"apply_tp rewrites the course GPT (course_lib.model.GPT) or a PipelineStage of it, got "
+                    f"{type(model).__name__}{inner}: apply tensor parallelism before data parallelism, ZeRO, "
+                    f"precision, recomputation or offload")
+
+
+def apply_tp(model, mesh_or_comm, *, sequence_parallel: bool = False, regather: bool = True,
+             plan: str = "megatron", pad_vocab: bool = True):
     """Tensor parallelism over the tp axis of `mesh_or_comm` (a Mesh, or a Communicator used as the tp group).
 
-    Every rank must hold the same `model` (built from the same seed); each keeps its slices. Sequence parallelism
-    (Korthikanti et al.) splits the LayerNorm regions along the sequence; `regather` keeps only a slice of each
-    region's input for backward (and gathers it again there). `pad_vocab` pads a vocabulary tp_size does not divide.
+    `model` is the course GPT — returns its `TensorParallelGPT` — or a `PipelineStage` of it (pipeline first):
+    the stage's modules are rewritten in place, it then runs a TensorParallelGPT's embedding, head and loss, and
+    the same stage is returned. Every rank must hold the same model (built from the same seed); each keeps its
+    slices. Sequence parallelism (Korthikanti et al.) splits the LayerNorm regions along the sequence; `regather`
+    keeps only a slice of each region's input for backward (and gathers it again there). `pad_vocab` pads a
+    vocabulary tp_size does not divide.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"apply_tp rewrites the course GPT (course_lib.model.GPT), got {type(model).__name__}")
+    is_stage = _check_tp_input(model)
     comm = axis_comm(mesh_or_comm, "tp")
     table = tp_plan(model, sequence_parallel=sequence_parallel, plan=plan)
     vocab = check_tp(model.config, comm.world_size, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
@@ -193,7 +223,11 @@ def apply_tp(model: GPT, mesh_or_comm, *, sequence_parallel: bool = False, regat
                 new.weight = model.wte.weight
         if new is not None:
             setattr(model.get_submodule(parent) if parent else model, attr, new)
-    return TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
+    tp = TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
+    if is_stage:
+        model.rebind(tp)                # the stage's modules, now tensor-parallel, under TP's embed, head and loss
+        return model
+    return tp
 
 
 # ============================================================================================ traffic
@@ -209,10 +243,13 @@ def layer_traffic(ledger, layer: int, group: str | None = None) -> dict:
 
 def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *,
                             sequence_parallel: bool = False, regather: bool = True, plan: str = "megatron",
-                            seq_len: int | None = None) -> dict:
+                            seq_len: int | None = None, layers: int | None = None, embed: bool = True,
+                            head: bool = True) -> dict:
     """Bytes tp rank `rank` sends in one forward + backward of `apply_tp`'s model, by part (exact, ring collectives).
+    A pipeline stage sends only its part: `layers` blocks (default: all n_layer), the embedding's collectives if
+    it holds the embedding, the head's and the loss's if it holds the head (`PipelineLayout.parts(pp_rank)`).
 
-        layers      n_layer × 4 all-reduces of b·s·h (`layer_bytes`); SP: 4 all-gathers + 4 reduce-scatters
+        layers      `layers` × 4 all-reduces of b·s·h (`layer_bytes`); SP: 4 all-gathers + 4 reduce-scatters
         naive       plan='naive': q, k, v (and fc_in) each all-reduce their input gradient: 2 more per layer
         embed+head  the embedding's g and the head's f (SP: ḡ and g), b·s·h each
         loss        the vocab-parallel cross-entropy: all-reduce(max) of b·s, all-reduce of 2·b·s
@@ -220,22 +257,31 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
         sp_params   SP: the gradients of what is replicated but used on a slice of the sequence (LayerNorms,
                     row-parallel biases, positions), summed over the tp ranks
     """
-    b, s, h, t, L = micro_batch_size, seq_len or cfg.seq_len, cfg.d_model, tp_size, cfg.n_layer
+    b, s, h, t = micro_batch_size, seq_len or cfg.seq_len, cfg.d_model, tp_size
+    L = cfg.n_layer if layers is None else layers
     ar = ring_all_reduce_bytes(b * s * h, t, rank, elem)
     ag = ring_all_gather_bytes(b * s * h, t, rank, elem)
     rs = ring_reduce_scatter_bytes(b * s * h, t, rank, elem)
     out = {"layers": L * (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem),
-           "embed+head": 2 * ((ag + rs) if sequence_parallel else ar),
-           "loss": ring_all_reduce_bytes(b * s, t, rank, elem) + ring_all_reduce_bytes(2 * b * s, t, rank, elem)}
+           "embed+head": (embed + head) * ((ag + rs) if sequence_parallel else ar),
+           "loss": head * (ring_all_reduce_bytes(b * s, t, rank, elem) + ring_all_reduce_bytes(2 * b * s, t, rank, elem))}
     if plan == "naive":
         out["naive"] = L * 2 * ar
     if sequence_parallel and regather:
-        out["regather"] = (2 * L + 1) * ag
+        out["regather"] = (2 * L + head) * ag
     if sequence_parallel:
         nb = 1 if cfg.bias else 0
-        sizes = L * ([h] * (2 * (1 + nb) + 2 * nb)) + [h] * (1 + nb) + [cfg.seq_len * h]
+        sizes = L * ([h] * (2 * (1 + nb) + 2 * nb)) + head * [h] * (1 + nb) + embed * [cfg.seq_len * h]
         out["sp_params"] = sum(ring_all_reduce_bytes(n, t, rank, elem) for n in sizes)
     return out
+
+
+def tp_bytes_per_step(cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *, num_microbatches: int = 1,
+                      **options) -> int:
+    """Bytes tp rank `rank` sends per optimizer step: M micro-batches (gradient accumulation or a pipeline's
+    micro-batches), each forward + backward sending `tp_bytes_per_microbatch(…, **options)`."""
+    return num_microbatches * sum(tp_bytes_per_microbatch(cfg, micro_batch_size, tp_size, rank, elem,
+                                                          **options).values())
 
 
 # ============================================================================================ PyTorch's own
@@ -266,4 +312,4 @@ def torch_parallelize_blocks(model: GPT, device_mesh, *, prepare_input: bool = T
 
 
 __all__ = ["apply_tp", "tp_plan", "check_tp", "TensorParallelGPT", "STYLES", "layer_traffic",
-           "tp_bytes_per_microbatch", "torch_tp_plan", "torch_parallelize_blocks"]
+           "tp_bytes_per_microbatch", "tp_bytes_per_step", "torch_tp_plan", "torch_parallelize_blocks"]

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...memory import saved_tensors_hooks_over
+from ...model import blocks_of
 from ...train import Probe
 from .megatron import f, g_sp, gather_seq
 
@@ -67,9 +68,11 @@ def saving_slice_only(comm, shard: torch.Tensor, gathered: torch.Tensor, tag: st
     that enclose this one (a memory accountant) see the slice, so it is what they count."""
     note = _Regather(comm, shard.detach(), tag)
     ptr = gathered.untyped_storage().data_ptr()
+    live = [True]       # a pack after the block (ZB-H1's W keeps tensors through the hooks of their forward) must
+                        # not match: by then `gathered` may be freed and its address reused by another tensor
 
     def pack(t):
-        if t.untyped_storage().data_ptr() != ptr:
+        if not live[0] or t.untyped_storage().data_ptr() != ptr:
             return t
         kept = note.shard.view_as(note.shard)                  # a tensor, so an enclosing hook can count it
         kept._regather = (note, t.size(), t.stride(), t.storage_offset())
@@ -82,8 +85,11 @@ def saving_slice_only(comm, shard: torch.Tensor, gathered: torch.Tensor, tag: st
         note_, size, stride, offset = info
         return note_.gathered().as_strided(size, stride, offset)   # the same layout as the tensor that was saved
 
-    with saved_tensors_hooks_over(pack, unpack):
-        yield
+    try:
+        with saved_tensors_hooks_over(pack, unpack):
+            yield
+    finally:
+        live[0] = False
 
 
 class SequenceParallelRegion:
@@ -150,8 +156,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
 
 class LayerActivationProbe(Probe):
     """Bytes each block adds to the memory accountant's 'activations' during the first forward of `at_step`
-    (what that block saves for backward), read around every block of `model.blocks`. Needs a `MemoryProbe`,
-    placed before this one in the probe list."""
+    (what that block saves for backward), read around every block `model.blocks_of(model)` finds. Needs a
+    `MemoryProbe`, placed before this one in the probe list."""
     name = "layer_activations"
 
     def __init__(self, memory_probe, *, at_step: int = 0):
@@ -160,8 +166,7 @@ class LayerActivationProbe(Probe):
         self._hooks, self._before, self._on = [], 0, False
 
     def start(self, model, optimizer):
-        inner = getattr(model, "module", model)
-        for block in inner.blocks:
+        for block in blocks_of(model):
             self._hooks.append(block.register_forward_pre_hook(self._pre))
             self._hooks.append(block.register_forward_hook(self._post))
 

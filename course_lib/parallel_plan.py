@@ -168,9 +168,10 @@ class ParallelPlan:
     def _check_combination(self, cfg) -> None:
         """Combinations the course does not build, each with why (the techniques themselves run)."""
         if self.cp > 1 and (self.tp > 1 or self.pp > 1):
-            raise PlanError(f"context parallelism composes with dp and ZeRO here; with tp={self.tp} or pp={self.pp} "
-                            f"the stages and TP layers would need CP's token positions, which the course does not "
-                            f"build yet; use tp=1 and pp=1 with cp > 1")
+            other = f"tp={self.tp}" if self.tp > 1 else f"pp={self.pp}"
+            raise PlanError(f"context parallelism composes with dp and ZeRO here; with {other} the TP layers and "
+                            f"pipeline stages would need CP's token positions, which the course does not build yet; "
+                            f"use tp=1 and pp=1 with cp > 1")
         if self.cp > 1 and cfg.dropout > 0:
             raise PlanError("context parallelism needs dropout=0 (ring attention recombines blocks of the attention "
                             "map, whose dropout masks would have to match one process's); use dropout=0")

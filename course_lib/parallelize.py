@@ -13,7 +13,7 @@ next one sees a model it understands (picotron swaps modules inside the model th
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -157,12 +157,41 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
     if optimizer is None:                                                             # 7. optimizer
         optimizer = make_optimizer(wrapped.parameters(), tc)
     applied.append(("optimizer", optimizer))
+    # what reduces the gradients over dp: a wrapper around the model (DDP, FSDP) or the ZeRO-1/2 optimizer
+    reducer = wrapped if wrapped is not model else (optimizer if isinstance(optimizer, ShardedOptimizer) else None)
     if pipe is not None:
-        pipe.data_parallel = wrapped if wrapped is not model else None
+        pipe.data_parallel = reducer
+    elif reducer is not None and reducer is not wrapped:          # ZeRO-1/2: accumulate, then reduce once
+        step_fn = functools.partial(forward_backward, sync=reducer)
     b = tc.batch_size // (plan.dp * M)
     batches = mesh.batches(cfg.seq_len, b, accum_steps=M, seed=tc.data_seed)
     job = Parallelized(wrapped, optimizer, step_fn, batches, plan, mesh, applied=applied)
+    job.expected_bytes = _expected_bytes(job, model, pipe, reducer, b)
     return job
+
+
+def _expected_bytes(job: Parallelized, model, pipe, reducer, b: int) -> dict:
+    """Bytes this rank sends per step on each mesh axis, summed from each technique's own formula (the ledger's
+    group names: 'dp' becomes 'dp×cp' when context parallelism shares the reduction)."""
+    from .parallel.context import ring_bytes_per_layer
+    from .parallel.pipeline import boundary_bytes
+    from .parallel.tensor import tp_bytes_per_step
+    plan, mesh, cfg = job.plan, job.mesh, model.config
+    M, T, d = plan.microbatches, cfg.seq_len, cfg.d_model
+    e = next(model.parameters()).element_size()
+    out = {}
+    if plan.pp > 1:
+        out["pp"] = boundary_bytes(pipe.plan, b, T, d, e, tp_size=plan.tp,
+                                   sequence_parallel=plan.sequence_parallel)[mesh.pp_rank]
+    if plan.tp > 1:
+        parts = pipe.plan.parts(mesh.pp_rank) if pipe is not None else {}
+        out["tp"] = tp_bytes_per_step(cfg, b, plan.tp, mesh.tp_rank, e, num_microbatches=M,
+                                      sequence_parallel=plan.sequence_parallel, **parts)
+    if plan.cp > 1:
+        out["cp"] = cfg.n_layer * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
+    if reducer is not None and hasattr(reducer, "expected_bytes_sent"):
+        out[mesh.group("dp", "cp").name] = reducer.expected_bytes_sent()
+    return out
 
 
 __all__ = ["parallelize", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]

@@ -211,21 +211,24 @@ class Run:
         return self.probes[probe]
 
 
-def forward_backward(model, batches, step: int, phase) -> float:
+def forward_backward(model, batches, step: int, phase, *, sync=None) -> float:
     """The default step: every micro-batch of `step` forward and backward (gradients summed, each loss scaled by
-    1/K so the sum is the mean over the K micro-batches), then the model's gradient synchronization if it has one."""
+    1/K so the sum is the mean over the K micro-batches), then the gradient synchronization of `sync` — what reduces
+    the gradients: the model itself if it is a data-parallel wrapper (the default), or a ZeRO optimizer — whose
+    `no_sync()` holds the reduction back until the last micro-batch."""
     K = getattr(batches, "accum_steps", 1)
+    sync = model if sync is None else sync
     total = 0.0
     for micro in range(K):
         x, y = batches.get(step, micro)
         last = micro == K - 1
-        with (model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()):
+        with (sync.no_sync() if not last and hasattr(sync, "no_sync") else contextlib.nullcontext()):
             with phase("forward"):
                 _, loss = model(x, y)
             with phase("backward"):
                 (loss / K if K > 1 else loss).backward()
         total += loss.item()
-    finish = getattr(model, "finish_gradient_synchronization", None)
+    finish = getattr(sync, "finish_gradient_synchronization", None)
     if finish is not None:
         with phase("sync"):
             finish()

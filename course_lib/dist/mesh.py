@@ -139,7 +139,8 @@ class Mesh:
             groups = [sorted(self.rank_of(**{**c, **dict(zip(key, v))})
                              for v in itertools.product(*(range(self.sizes[a]) for a in key)))
                       for c in self._fixed(*key)]
-            self._products[key] = self._make("×".join(key), groups)
+            same = [a for a in AXES if self.groups(a) == groups]      # cp = 1: dp × cp is the dp group itself
+            self._products[key] = self._comms[same[0]] if same else self._make("×".join(key), groups)
         return self._products[key]
 
     def group_of(self, axis: str, rank: int | None = None) -> list[int]:

@@ -1,4 +1,4 @@
-"""The checkpoint mechanism: keep a segment's inputs, recompute in backward what it saved.
+"""The checkpoint mechanism: keep a segment's inputs, recompute in backward what it saved (Chen et al. 2016).
 
 Saved-tensor hooks (as `torch.utils.checkpoint(use_reentrant=False)`), plus a record of the ops:
 
@@ -7,15 +7,13 @@ Saved-tensor hooks (as `torch.utils.checkpoint(use_reentrant=False)`), plus a re
               keeps what that op makes. A dispatch mode records every op: which storages it read and wrote, and the
               RNG state just before each random op.
     backward  the first Ticket autograd hands back reruns the segment's forward from its kept input. Only the ops
-              the tickets depend on execute (restoring the RNG state before each random op, so dropout draws the
-              same mask), and every collective before the last of them (other ranks rerun it too: a tensor-parallel
-              block's all-reduce is part of its recomputed forward); an op the policy keeps hands back its kept
-              output, which the segment then lets go (the rerun's own references decide how long it lives, as in
-              torch's selective checkpoint); every other op returns an empty stand-in; the rerun stops after the
-              last op a ticket needs (early stop).
+              the tickets depend on execute (the RNG state restored before each random op: the same dropout mask),
+              and every collective before the last of them (a tensor-parallel block's all-reduce is part of its
+              recomputed forward, and the other ranks rerun it too); an op the policy keeps hands back its kept
+              output and the segment lets go of it; every other op returns an empty stand-in; the rerun stops
+              after the last op a ticket needs (early stop). A recomputed tensor is let go once handed back.
 
-The policies (which ops' outputs are recomputed) are `course_lib.memopt.recompute_policies`; the plans that put
-segments on a model's blocks are `course_lib.memopt.recompute`.
+Policies: `course_lib.memopt.recompute_policies`; plans over a model's blocks: `course_lib.memopt.recompute`.
 """
 from __future__ import annotations
 
@@ -112,10 +110,7 @@ class Segment:
         self.sources: dict[int, torch.Tensor] = {}    # sid -> kept tensor the rerun hands back instead of recomputing
         self.packed: list = []                # inputs, passed through the enclosing saved-tensor hooks
         self.packed_sources: dict = {}        # sid -> a source, passed through them (so a tracker counts it)
-        self._finalizers: list = []
-        self._stack = None
-        self.last = -1
-        self.done = False
+        self._finalizers, self._stack, self.last, self.done = [], None, -1, False
 
     # ---------------------------------------------------------------------------------------- forward
     def __enter__(self):
@@ -335,8 +330,7 @@ def _rng_state(kwargs):
 
 
 def _set_rng(rng) -> None:
-    gen, state = rng
-    (gen.set_state if gen is not None else torch.set_rng_state)(state)
+    (rng[0].set_state if rng[0] is not None else torch.set_rng_state)(rng[1])
 
 
 class _Recorder(TorchDispatchMode):

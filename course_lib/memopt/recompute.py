@@ -1,430 +1,38 @@
-"""Activation recomputation: keep a segment's inputs, recompute in backward what it saved.
+"""Activation recomputation: keep a segment's inputs, recompute in backward what it saved — and `apply_recompute`,
+which puts segments on the blocks of a model by a plan.
 
 Chen, Xu, Zhang & Guestrin, "Training Deep Nets with Sublinear Memory Cost", arXiv 1604.06174 (2016): keep only
 segment inputs, √n segments. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 MLSys 2023 (arXiv 2205.05198): full and selective recomputation of a transformer layer. docs/formulas.md §4.3, §5.
 
-The design: saved-tensor hooks (as `torch.utils.checkpoint(use_reentrant=False)`), plus a record of the ops.
+The package, by subject (every name importable from here):
 
-    forward   the segment runs as usual, with grad. Every tensor autograd saves passes through our pack hook: made
-              outside the segment (its input, the weights) → kept; made inside → a Ticket instead, unless the policy
-              keeps what that op makes. A dispatch mode records every op: which storages it read and wrote, and the
-              RNG state just before each random op.
-    backward  the first Ticket autograd hands back reruns the segment's forward from its kept input. Only the ops
-              the tickets depend on execute (restoring the RNG state before each random op, so dropout draws the
-              same mask); an op the policy keeps hands back its kept output; every other op returns an empty
-              stand-in; the rerun stops after the last op a ticket needs (early stop).
+    recompute_hooks     the mechanism: `Segment` (saved-tensor hooks and a record of the ops), `checkpoint`, the
+                        rerun `_Replay`, `CheckpointError`
+    recompute_policies  per op, recomputed or kept: `recompute_all`, `attention_core` (Korthikanti's selective),
+                        `all_but_matmuls`, `torch_policy` (the same for torch's selective checkpoint)
+    recompute           plans over a model's blocks (`Unit`, `RecomputePlan`, `make_plan`) and `apply_recompute`
+    recompute_plan      what a plan costs (bytes and FLOPs, measured and closed forms) and the optimal plan
 
-A policy `policy(func, *args, **kwargs) -> bool` says, per op, whether what it makes is recomputed (True) or kept
-(False) — the same question `torch.utils.checkpoint.create_selective_checkpoint_contexts` asks
-(`torch_policy(policy)` turns one into the other). Full recomputation recomputes everything; Korthikanti's selective
-recomputation only the attention core (`attention_core`).
-
-Checked against: gradients bitwise equal to no recomputation (dropout on) and to torch's checkpoint; the bytes the
-memory accountant sees (tests/unit/test_recompute.py) and the FLOPs FlopCounterMode counts, against the closed forms
-in `course_lib.memopt.recompute_plan`.
+Checked against: gradients bitwise equal to no recomputation (dropout on) and to torch's checkpoint; the peak
+the memory accountant sees never above torch's selective checkpoint with the same policy; tensor-parallel models
+(the rerun re-issues the forward's collectives) equal to the model without recomputation and the single-process
+reference; the bytes and FLOPs against the closed forms in `course_lib.memopt.recompute_plan`
+(tests/unit/test_recompute.py, tests/integration/test_recompute*.py).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..memory import _active, register_category, saved_tensors_hooks_over, untracked
+from ..model import blocks_of
+from .recompute_hooks import (RECOMPUTED, CheckpointError, Segment, Ticket, _open, _Recorder, _Replay,  # noqa: F401
+                              _rerunning, checkpoint)
+from .recompute_policies import MATMULS, all_but_matmuls, attention_core, recompute_all, torch_policy
 
-aten = torch.ops.aten
-RECOMPUTED = register_category("recomputed", "#E8A0A0")    # tensors a rerun made, until backward has used them
-
-_VIEW_LIKE = {aten._unsafe_view.default}                     # shares its input's storage but is not marked a view
-_SHAPE_ONLY = {aten.empty_like.default}                      # reads only the shape of its argument
-_COLLECTIVES = {"c10d", "_c10d_functional", "c10d_functional"}   # side effects on other ranks: always rerun
-
-
-class CheckpointError(RuntimeError):
-    """A segment cannot be recomputed faithfully; the message says why and what to change."""
-
-
-# ============================================================================================ policies
-def recompute_all(func, *args, **kwargs) -> bool:
-    """Full recomputation: everything the segment makes is recomputed; only its inputs are kept."""
-    return True
-
-
-def _square_4d(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] == t.shape[-2]
-
-
-def attention_core(func, *args, **kwargs) -> bool:
-    """Korthikanti et al.'s selective recomputation: recompute only the attention core — the ops that make or read the
-    (B, n_head, T, T) score maps: QKᵀ and A·V (a block's only batched matmuls), the scaling, the causal mask, softmax
-    and attention dropout. Everything else a block saves (34·sbh of its sbh(34 + 5as/h)) is kept."""
-    if func in (aten.bmm.default, aten._softmax.default, aten.masked_fill.Scalar, aten.bitwise_not.default):
-        return True
-    return func is not aten.clone.default and any(_square_4d(a) for a in args)
-
-
-MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-
-
-def all_but_matmuls(func, *args, **kwargs) -> bool:
-    """Recompute every op that does no matrix multiply (LayerNorm, GELU, softmax, copies, adds); keep what matmuls
-    make — a policy that adds no FLOPs (the one PyTorch's selective-checkpointing docs use as their example)."""
-    return func not in MATMULS
-
-
-def torch_policy(policy):
-    """The same policy for `torch.utils.checkpoint.create_selective_checkpoint_contexts`."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    def policy_fn(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.PREFER_RECOMPUTE if policy(func, *args, **kwargs) else CheckpointPolicy.MUST_SAVE
-    return policy_fn
-
-
-# ============================================================================================ the checkpoint
-_open: contextvars.ContextVar = contextvars.ContextVar("course_recompute_open", default=None)
-_rerunning: contextvars.ContextVar = contextvars.ContextVar("course_recompute_rerunning", default=False)
-
-
-class _Stop(Exception):
-    """Raised inside the rerun after the last op a ticket needs: the rest of the forward is not run."""
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device
-
-
-@dataclass
-class _Op:
-    """One op the segment ran in forward (views are not recorded: they make no storage)."""
-    func: object
-    recompute: bool                       # the policy's answer for this op
-    reads: list                           # (sid, writer) for every storage made in the segment that it read
-    writes: list                          # (sid, ("out" | "arg", flat index)) storages it made or changed in place
-    outs: list                            # per flattened output: None, or (meta, sid or None, aliased arg or None)
-    out_spec: object
-    rng: object = None                    # generator state before a random op (None: not random)
-    random: bool = False
-    forced: bool = False                  # collectives and ops returning Python values always rerun
-    run: bool = False                     # decided at the end of forward: execute in the rerun
-    collect: list = field(default_factory=list)   # (sid, where) of tickets this op makes again
-
-
-class Ticket:
-    """What autograd keeps instead of a tensor the segment will recompute: (segment, storage, view)."""
-    __slots__ = ("segment", "sid", "view", "__weakref__")
-
-    def __init__(self, segment, sid, t):
-        self.segment, self.sid, self.view = segment, sid, (tuple(t.shape), t.stride(), t.storage_offset())
-
-    def __del__(self):
-        self.segment._ticket_gone(self.sid)
-
-
-class Segment:
-    """One checkpointed segment: `with Segment(fn, args, policy=...): out = fn(*args)` (see the module docstring).
-    `name` appears in errors; `preserve_rng_state=False` is refused when the segment recomputes a random op."""
-
-    def __init__(self, fn, args, *, policy=recompute_all, preserve_rng_state: bool = True, name: str = "segment"):
-        self.fn, self.policy, self.preserve_rng_state, self.name = fn, policy, preserve_rng_state, name
-        # detached aliases (same storage and version counter): a reference to a tensor with a grad_fn, held by
-        # something its graph holds (our Tickets), would be a cycle through C++ that Python's GC cannot free
-        self.inputs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        self.requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
-        self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in self.inputs]
-        self.ops: list[_Op] = []
-        self.live: dict[int, int] = {}        # storage key -> sid, for storages made in the segment and alive
-        self.writer: list[int] = []           # sid -> index of the op that last wrote it
-        self.alloc: list[int] = []            # sid -> index of the op that made it
-        self.held: dict[int, torch.Tensor] = {}   # sid -> tensor a kept op made that a recomputed op read
-        self.dropped: dict[int, int] = {}     # sid -> writer, for every storage a Ticket stands for
-        self.tickets: dict[int, int] = {}     # sid -> live Tickets
-        self.recomputed: dict[int, torch.Tensor] = {}
-        self.sources: dict[int, torch.Tensor] = {}    # sid -> kept tensor the rerun hands back instead of recomputing
-        self.packed: list = []                # inputs and sources, passed through the enclosing saved-tensor hooks
-        self._finalizers: list = []
-        self._stack = None
-        self.last = -1
-        self.done = False
-
-    # ---------------------------------------------------------------------------------------- forward
-    def __enter__(self):
-        if _open.get() is not None:
-            raise CheckpointError(f"{self.name} starts while {_open.get().name} is still open: segments cannot nest; "
-                                  f"checkpoint the outer segment only")
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if outer is not None:           # so a memory tracker counts the kept inputs as activations
-            self.packed = [outer[0](a) for a in self.inputs if isinstance(a, torch.Tensor)]
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(saved_tensors_hooks_over(self._pack, _unpack))
-        self._stack.enter_context(_Recorder(self))
-        self._token = _open.set(self)
-        return self
-
-    def __exit__(self, *exc):
-        _open.reset(self._token)
-        self._stack.close()
-        for f in self._finalizers:          # storages outlive the segment (its output): stop watching them
-            f.detach()
-        self._finalizers, self.live = [], {}
-        if exc[0] is None:
-            self._plan()
-        else:
-            self._release()
-        return False
-
-    def _record(self, func, args, kwargs):
-        flat = tree_flatten((args, kwargs))[0]
-        recompute = bool(self.policy(func, *args, **kwargs))
-        reads = []
-        if func not in _SHAPE_ONLY:
-            for t in flat:
-                if isinstance(t, torch.Tensor) and (sid := self.live.get(_key(t))) is not None:
-                    reads.append((sid, self.writer[sid]))
-                    if (recompute or func.namespace in _COLLECTIVES) and not self.ops[self.writer[sid]].recompute:
-                        if sid not in self.held:         # a recomputation may need what a kept op made
-                            self.held[sid] = t.detach()
-        mutated = _mutated_positions(func, args, kwargs, flat)
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        rng = _rng_state(kwargs) if random and self.preserve_rng_state else None
-        out = func(*args, **kwargs)
-        k = len(self.ops)
-        writes, outs = [], []
-        for j in mutated:
-            sid = self.live.get(_key(flat[j]))
-            if sid is None:
-                raise CheckpointError(f"{self.name}: {func} changes a tensor made outside the segment in place; "
-                                      f"recomputing it would change it again. Do the in-place update outside the "
-                                      f"checkpointed segment")
-            self.writer[sid] = k
-            writes.append((sid, ("arg", j)))
-            if recompute:
-                self.held.pop(sid, None)
-        arg_keys = {_key(t): j for j, t in enumerate(flat) if isinstance(t, torch.Tensor)}
-        out_flat, out_spec = tree_flatten(out)
-        forced = func.namespace in _COLLECTIVES
-        for j, t in enumerate(out_flat):
-            if not isinstance(t, torch.Tensor):
-                outs.append(None)
-                forced = forced or t is not None           # a Python value: the forward may branch on it
-                continue
-            key = _key(t)
-            if key in arg_keys:                            # an in-place op returns its argument
-                outs.append((_meta(t), None, arg_keys[key]))
-                continue
-            sid = len(self.writer)
-            self.writer.append(k)
-            self.alloc.append(k)
-            self.live[key] = sid
-            self._finalizers.append(weakref.finalize(t.untyped_storage(), self.live.pop, key, None))
-            writes.append((sid, ("out", j)))
-            outs.append((_meta(t), sid, None))
-        self.ops.append(_Op(func, recompute, reads, writes, outs, out_spec, rng, random, forced))
-        return out
-
-    def _pack(self, t: torch.Tensor):
-        sid = self.live.get(_key(t))
-        if sid is None or not self.ops[self.writer[sid]].recompute:
-            return t                                   # an input, a weight, or what a kept op made: kept
-        self.dropped[sid] = self.writer[sid]
-        self.tickets[sid] = self.tickets.get(sid, 0) + 1
-        return Ticket(self, sid, t)
-
-    def _plan(self) -> None:
-        """End of forward: which ops the rerun must execute (the tickets' ancestors, back to what is kept)."""
-        if not self.dropped:
-            self._release()
-            return
-        blocked: set = set()      # kept storages whose maker itself reruns: their content must be rebuilt
-        while True:
-            run, sources = set(), set()
-            stack = list(self.dropped.values())
-            while stack:
-                k = stack.pop()
-                if k in run:
-                    continue
-                run.add(k)
-                for sid, w in self.ops[k].reads:
-                    if sid in self.held and self.writer[sid] == w and sid not in blocked:
-                        sources.add(sid)           # handed back from the kept tensor, not recomputed
-                    else:
-                        stack.append(w)
-                if not stack:                      # collectives before the last op rerun too (other ranks do)
-                    stack = [i for i in range(max(run)) if self.ops[i].forced and i not in run]
-            bad = {sid for sid in sources if self.alloc[sid] in run}
-            if not bad:
-                break
-            blocked |= bad
-        random = [self.ops[k].func for k in sorted(run) if self.ops[k].random]
-        if random and not self.preserve_rng_state:
-            self._release()
-            raise CheckpointError(f"{self.name} recomputes the random op {random[0]} but preserve_rng_state=False: "
-                                  f"the rerun would draw different numbers (a different dropout mask) and the "
-                                  f"gradients would silently differ. Keep preserve_rng_state=True")
-        self.last = max(run)
-        for k in run:
-            self.ops[k].run = True
-        for sid, w in self.dropped.items():
-            op = self.ops[w]
-            op.collect.extend((s, where) for s, where in op.writes if s == sid)
-        self.sources = {sid: self.held[sid] for sid in sources}
-        self.held = {}
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if outer is not None:       # what the rerun hands back is kept for backward: activations
-            self.packed += [outer[0](t) for t in self.sources.values()]
-        del self.ops[self.last + 1:]
-        for op in self.ops:
-            op.reads = op.writes = None
-
-    # ---------------------------------------------------------------------------------------- backward
-    def _get(self, ticket: Ticket) -> torch.Tensor:
-        if not self.done:
-            self._rerun()
-        size, stride, offset = ticket.view
-        with torch.no_grad():
-            return self.recomputed[ticket.sid].as_strided(size, stride, offset)
-
-    def _rerun(self) -> None:
-        for a, v in zip(self.inputs, self.versions):
-            if v is not None and a._version != v:
-                raise CheckpointError(f"the input of {self.name} was changed in place after the forward pass; its "
-                                      f"recomputation would start from different values")
-        state = torch.get_rng_state()
-        replay = _Replay(self)
-        inputs = [a.detach().requires_grad_(r) if isinstance(a, torch.Tensor) else a
-                  for a, r in zip(self.inputs, self.requires_grad)]
-        token = _rerunning.set(True)
-        try:
-            # with grad, as in forward (some ops decompose differently without); nothing the rerun saves is kept
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discard), replay:
-                self.fn(*inputs)
-        except _Stop:
-            pass
-        else:
-            raise CheckpointError(f"recomputing {self.name} ran {replay.i} ops and returned before op {self.last} "
-                                  f"({self.ops[self.last].func}): its forward must depend only on its inputs")
-        finally:
-            _rerunning.reset(token)
-            torch.set_rng_state(state)
-        for tracker in _active.get():
-            tracker.track(list(self.recomputed.values()), RECOMPUTED)
-        self.done = True
-        self.inputs, self.sources, self.packed, self.ops = (), {}, [], []
-
-    def _ticket_gone(self, sid: int) -> None:
-        self.tickets[sid] -= 1
-        if not self.tickets[sid]:
-            self.recomputed.pop(sid, None)
-
-    def _release(self) -> None:
-        self.inputs, self.held, self.sources, self.packed, self.ops = (), {}, {}, [], []
-
-
-def _unpack(x):
-    return x.segment._get(x) if isinstance(x, Ticket) else x
-
-
-def _discard(x):
-    return None
-
-
-def _mutated_positions(func, args, kwargs, flat) -> list:
-    """Flattened positions of the tensors `func` writes in place (schema arguments marked `Tensor(a!)`)."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    ids = {id(t) for t in written}
-    return [j for j, t in enumerate(flat) if isinstance(t, torch.Tensor) and id(t) in ids]
-
-
-def _rng_state(kwargs):
-    gen = kwargs.get("generator")
-    with untracked():               # bookkeeping of the checkpoint, not memory the model uses
-        return (gen, gen.get_state()) if gen is not None else (None, torch.get_rng_state())
-
-
-def _set_rng(rng) -> None:
-    gen, state = rng
-    (gen.set_state if gen is not None else torch.set_rng_state)(state)
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, segment: Segment):
-        super().__init__()
-        self.segment = segment
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.is_view or func in _VIEW_LIKE:
-            return func(*args, **kwargs)
-        return self.segment._record(func, args, kwargs)
-
-
-class _Replay(TorchDispatchMode):
-    """The rerun: executes the ops marked `run`, hands back kept tensors, returns empty stand-ins for the rest."""
-
-    def __init__(self, segment: Segment):
-        super().__init__()
-        self.segment, self.i = segment, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.is_view or func in _VIEW_LIKE:
-            with untracked():
-                return func(*args, **kwargs)
-        seg, i = self.segment, self.i
-        self.i += 1
-        if i > seg.last or seg.ops[i].func != func:
-            raise CheckpointError(f"recomputing {seg.name}: op {i} is {func}, but the forward pass ran "
-                                  f"{seg.ops[i].func if i <= seg.last else 'fewer ops'} there. The segment's forward "
-                                  f"must depend only on its inputs: no branches on global state, and no module hooks "
-                                  f"that act differently in backward (ZeRO-3/FSDP gathering parameters)")
-        op = seg.ops[i]
-        flat = tree_flatten((args, kwargs))[0]
-        if not op.run:
-            with untracked():
-                outs = [None if m is None else flat[m[2]] if m[2] is not None else
-                        seg.sources[m[1]].as_strided(*m[0][:3]) if m[1] in seg.sources else
-                        torch.empty_strided(m[0][0], m[0][1], dtype=m[0][3], device="meta") for m in op.outs]
-            return tree_unflatten(outs, op.out_spec)
-        if func in _SHAPE_ONLY:        # needs only the recorded shape: no need to rebuild its argument
-            (size, stride, _, dtype, device), _, _ = op.outs[0]
-            out = torch.empty_strided(size, stride, dtype=dtype, device=device)
-        else:
-            if op.rng is not None:
-                _set_rng(op.rng)
-            out = func(*args, **kwargs)
-        out_flat = tree_flatten(out)[0]
-        for sid, (where, j) in op.collect:
-            if seg.tickets.get(sid):           # a ticket autograd already dropped needs nothing back
-                seg.recomputed[sid] = (flat[j] if where == "arg" else out_flat[j]).detach()
-        if i == seg.last:
-            raise _Stop
-        return out
-
-
-def checkpoint(fn, *args, policy=recompute_all, preserve_rng_state: bool = True, name: str = "segment"):
-    """fn(*args), keeping only its inputs (and what `policy` keeps) for backward; see the module docstring."""
-    if not torch.is_grad_enabled() or _rerunning.get():
-        return fn(*args)
-    with Segment(fn, args, policy=policy, preserve_rng_state=preserve_rng_state, name=name):
-        return fn(*args)
-
-
-# ============================================================================================ plans and the model
 KINDS = ("store", "full", "selective")
 POLICIES = ("none", "full", "every", "sqrt", "selective")
 
@@ -445,7 +53,7 @@ class Unit:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RecomputePlan:
     """Which blocks are stored, selectively recomputed, or grouped into fully recomputed segments."""
     units: tuple
     name: str = ""
@@ -454,7 +62,8 @@ class Plan:
         object.__setattr__(self, "units", tuple(self.units))
         ends = [0] + [u.end for u in self.units]
         if not self.units or any(u.start != e for u, e in zip(self.units, ends)):
-            raise ValueError(f"a Plan's units must cover blocks 0, 1, … in order without gaps; got {self.units}")
+            raise ValueError(f"a RecomputePlan's units must cover blocks 0, 1, … in order without gaps; "
+                             f"got {self.units}")
 
     @property
     def n_layer(self) -> int:
@@ -466,7 +75,10 @@ class Plan:
                         "[" + " ".join("F" * (u.end - u.start)) + "]" for u in self.units)
 
 
-def make_plan(policy: str, n_layer: int, k: int | None = None) -> Plan:
+Plan = RecomputePlan          # the name notebooks 08 and lab 08 use; `RecomputePlan` beside the pipeline's plans
+
+
+def make_plan(policy: str, n_layer: int, k: int | None = None) -> RecomputePlan:
     """The plan of a named policy over n_layer blocks: 'none', 'full' (each block its own segment), 'every' (segments
     of k blocks: keep the input of every k-th block), 'sqrt' (Chen et al.: round(√n) segments as even as possible)
     or 'selective' (every block, attention core only)."""
@@ -477,48 +89,62 @@ def make_plan(policy: str, n_layer: int, k: int | None = None) -> Plan:
         if not isinstance(k, int) or not 1 <= k <= n_layer:
             raise ValueError(f"policy 'every' needs k, the blocks per segment, in 1..{n_layer}; got k={k!r}")
         bounds = [(s, min(s + k, n_layer)) for s in range(0, n_layer, k)]
-        return Plan([Unit(a, b, "full") for a, b in bounds], f"every {k}")
+        return RecomputePlan([Unit(a, b, "full") for a, b in bounds], f"every {k}")
     if k is not None:
         raise ValueError(f"k is for policy 'every' only; policy {policy!r} takes no k")
     if policy == "none":
-        return Plan([Unit(i, i + 1, "store") for i in range(n_layer)], "none")
+        return RecomputePlan([Unit(i, i + 1, "store") for i in range(n_layer)], "none")
     if policy == "full":
-        return Plan([Unit(i, i + 1, "full") for i in range(n_layer)], "full")
+        return RecomputePlan([Unit(i, i + 1, "full") for i in range(n_layer)], "full")
     if policy == "selective":
-        return Plan([Unit(i, i + 1, "selective") for i in range(n_layer)], "selective")
+        return RecomputePlan([Unit(i, i + 1, "selective") for i in range(n_layer)], "selective")
     if policy == "sqrt":
         segments = max(1, round(n_layer ** 0.5))
-        return Plan([Unit(a, b, "full") for a, b in stage_bounds(n_layer, segments)], "√n")
-    raise ValueError(f"unknown recomputation policy {policy!r}; use one of {POLICIES} or a Plan")
+        return RecomputePlan([Unit(a, b, "full") for a, b in stage_bounds(n_layer, segments)], "√n")
+    raise ValueError(f"unknown recomputation policy {policy!r}; use one of {POLICIES} or a RecomputePlan")
+
+
+def _holder(model: nn.Module) -> nn.Module:
+    """The module whose `blocks` run: `model`, or the model inside its wrappers (`.module`), as `blocks_of` finds."""
+    while not hasattr(model, "blocks") and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
 
 
 def _blocks_and_cuts(model) -> tuple[list, set]:
-    """The blocks `model` runs, in order, and the positions between them where one forward call ends: none for a
-    GPT (`blocks` a ModuleList); for a pipeline stage (`blocks` a ModuleDict keyed by the GPT's block index,
-    `bounds` the [start, end) blocks of each of its (virtual) stages) the end of every stage it holds — each stage
-    is its own forward op, so a segment cannot run on past one."""
-    if isinstance(model.blocks, nn.ModuleDict):
-        bounds = getattr(model, "bounds", {})
-        sizes = [end - start for start, end in (bounds[k] for k in sorted(bounds))]
-        return list(model.blocks.values()), set(itertools.accumulate(sizes))
-    return list(model.blocks), set()
+    """The blocks `model` runs, in order (`model.blocks_of`), and the positions between them where one forward call
+    ends: none for a GPT or its tensor-parallel form; for a pipeline stage (`bounds`: the [start, end) blocks of each
+    of its (virtual) stages) the end of every stage it holds — each stage is its own forward op, so a segment cannot
+    run on past one."""
+    try:
+        blocks = blocks_of(model)
+    except TypeError as e:
+        raise TypeError(f"apply_recompute: {e}") from None
+    bounds = getattr(_holder(model), "bounds", None)
+    if not isinstance(bounds, dict):
+        return blocks, set()
+    sizes = [end - start for start, end in (bounds[k] for k in sorted(bounds))]
+    return blocks, set(itertools.accumulate(sizes))
 
 
-def apply_recompute(model, mesh=None, *, policy: "str | Plan" = "full", k: int | None = None, blocks=None,
+def apply_recompute(model, mesh=None, *, policy: "str | RecomputePlan" = "full", k: int | None = None, blocks=None,
                     selective_policy=attention_core, preserve_rng_state: bool = True):
-    """Recompute activations of `model.blocks` — a GPT's, or a pipeline stage's (`PipelineStage`: only the blocks
-    of this rank, in order) — or of `blocks`, according to `policy`: a name for `make_plan` or a `Plan`;
-    'selective' units recompute what `selective_policy` says (Korthikanti's attention core by default). Returns the
-    model, with `model.recompute_plan` set.
+    """Recompute the activations of the blocks `model` runs (`model.blocks_of`: a GPT's, a TensorParallelGPT's, a
+    pipeline stage's — only this rank's, in order — or those inside a wrapper's `.module`), or of `blocks`,
+    according to `policy`: a name for `make_plan` ('none', 'full', 'every' with k, 'sqrt', 'selective') or a
+    `RecomputePlan`; 'selective' units recompute what `selective_policy` says (Korthikanti's attention core by
+    default). Changes `model` in place and returns it, with `recompute_plan` set.
 
     Nothing is replaced: a forward pre-hook on a unit's first block opens its `Segment`, a forward hook on its last
-    block closes it, so parameter names, state dicts and wrappers (DDP, ZeRO, the pipeline executor) see the same
-    modules. On a pipeline stage every micro-batch's forward opens its own segments, so each micro-batch in flight
-    keeps only its segments' inputs. Recomputation is local to a rank: `mesh` is accepted so every `apply_*` reads
-    alike, and not used. Applying again replaces the plan.
+    block closes it, so parameter names, state dicts and the techniques applied after it (DDP, ZeRO-1/2, the
+    pipeline executor) see the same modules. Apply it after tensor parallelism (its collectives are then inside the
+    blocks, and the rerun re-issues those it needs) and after the pipeline split, before data parallelism. On a
+    pipeline stage every micro-batch's forward opens its own segments, so each micro-batch in flight keeps only
+    its segments' inputs. `mesh` is accepted so every `apply_*` reads alike, and not used: the collectives a
+    tensor-parallel block reruns are those of its own communicator. Applying again replaces the plan.
     """
     blocks, cuts = _blocks_and_cuts(model) if blocks is None else (list(blocks), set())
-    plan = policy if isinstance(policy, Plan) else make_plan(policy, len(blocks), k)
+    plan = policy if isinstance(policy, RecomputePlan) else make_plan(policy, len(blocks), k)
     if plan.n_layer != len(blocks):
         raise ValueError(f"the plan covers {plan.n_layer} blocks but the model runs {len(blocks)}; make it for "
                          f"n_layer={len(blocks)}")
@@ -547,6 +173,7 @@ def apply_recompute(model, mesh=None, *, policy: "str | Plan" = "full", k: int |
 
 
 def remove_recompute(model) -> None:
+    """Undo `apply_recompute(model, …)`: the blocks run and store as before."""
     for h in getattr(model, "_recompute_handles", ()):
         h.remove()
     model._recompute_handles, model.recompute_plan = [], None
@@ -574,3 +201,8 @@ def _close_segment(out, last: bool) -> None:
         seg.__exit__(RuntimeError, None, None)
     elif last:
         seg.__exit__(None, None, None)
+
+
+__all__ = ["apply_recompute", "remove_recompute", "make_plan", "RecomputePlan", "Plan", "Unit", "KINDS", "POLICIES",
+           "checkpoint", "Segment", "Ticket", "CheckpointError", "RECOMPUTED", "recompute_all", "attention_core",
+           "all_but_matmuls", "MATMULS", "torch_policy"]

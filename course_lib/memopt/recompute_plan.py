@@ -1,8 +1,8 @@
 """What a recomputation plan costs, measured and predicted, and the best plan under a memory budget.
 
-The layer chain is embedding → block 0 → … → block L−1 → head (+ loss). A plan (`recompute.Plan`) stores each
-block, recomputes its attention core (selective), or groups blocks into fully recomputed segments. Each unit u of a
-plan holds `held_u` bytes from its forward to its backward, and needs `work_u` bytes at once in backward:
+The layer chain is embedding → block 0 → … → block L−1 → head (+ loss). A plan (`recompute.RecomputePlan`)
+stores each block, recomputes its attention core (selective), or groups blocks into fully recomputed segments. Each
+unit u of a plan holds `held_u` bytes from its forward to its backward, and needs `work_u` bytes at once in backward:
 
     stored block l         held = work = s_l                     (everything the block saves)
     selective block l      held = s_l − δ_l,   work = max(s_l − δ_l, α_l + δ_l)
@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ..memory import MemoryTracker, fmt_bytes
-from ..model import GPT, block_activation_bytes, get_config
+from ..model import GPT, block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes
 from ..train import MemoryProbe, Probe
-from .recompute import Plan, Unit, attention_core, checkpoint, recompute_all
+from .recompute import RecomputePlan, Unit, attention_core, checkpoint, recompute_all
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class ChainCosts:
         return held, work, getattr(bs[0], f"selective_{cost}") if u.kind == "selective" else 0
 
 
-def plan_peak(plan: Plan, costs: ChainCosts) -> int:
+def plan_peak(plan: RecomputePlan, costs: ChainCosts) -> int:
     """The activation peak of `plan` by the formula in the module docstring."""
     _check(plan, costs)
     held, peak = costs.embed, 0
@@ -99,13 +100,13 @@ def plan_peak(plan: Plan, costs: ChainCosts) -> int:
     return max(peak, held + costs.head)
 
 
-def plan_extra(plan: Plan, costs: ChainCosts, cost: str = "flops") -> float:
+def plan_extra(plan: RecomputePlan, costs: ChainCosts, cost: str = "flops") -> float:
     """The extra compute of `plan`: FLOPs (exact) or seconds (measured)."""
     _check(plan, costs)
     return sum(costs.unit(u, cost)[2] for u in plan.units)
 
 
-def _check(plan: Plan, costs: ChainCosts) -> None:
+def _check(plan: RecomputePlan, costs: ChainCosts) -> None:
     if plan.n_layer != len(costs.blocks):
         raise ValueError(f"the plan covers {plan.n_layer} blocks, the costs {len(costs.blocks)}")
 
@@ -114,20 +115,19 @@ def _check(plan: Plan, costs: ChainCosts) -> None:
 def formula_costs(cfg, batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> ChainCosts:
     """Every term from the config (see the module docstring; fp32 by default)."""
     c = get_config(cfg)
-    B, T, d, r, nh, V = batch_size, seq_len or c.seq_len, c.d_model, c.mlp_ratio, c.n_head, c.vocab_size
+    B, T, d, r, nh = batch_size, seq_len or c.seq_len, c.d_model, c.mlp_ratio, c.n_head
     drop = c.dropout > 0
     tokens = B * T
     s = block_activation_bytes(c, B, T, elem_bytes)
     a = elem_bytes * tokens * d
     delta = elem_bytes * tokens * nh * T * (3 if drop else 1) + T * T     # softmax (+ mask, output), causal mask
-    alpha = elem_bytes * tokens * 5 * d + 8 * tokens                      # input, ln1 out, q, k, v; ln1 statistics
+    alpha = elem_bytes * tokens * (5 * d + 2)                             # input, ln1 out, q, k, v; ln1 mean, rstd
     linear = 2 * tokens * (4 + 2 * r) * d * d                              # q, k, v, o, fc_in, fc_out
     scores = 2 * 2 * B * T * T * d                                         # QKᵀ and A·V
     block = BlockCost(s, a, s - delta, max(s - delta, alpha + delta), linear + scores,
                       linear + scores - 2 * tokens * r * d * d, scores // 2)
-    embed = 8 * tokens + 8 * T + (elem_bytes * tokens * d if drop else 0)  # token ids, positions (, dropout mask)
-    head = elem_bytes * tokens * (2 * d + V) + 8 * tokens + 8 * tokens + 4  # ln_f in/out, log-softmax, stats, targets
-    return ChainCosts(embed, head, (block,) * c.n_layer)
+    return ChainCosts(embed_activation_bytes(c, B, T, elem_bytes), head_activation_bytes(c, B, T, elem_bytes),
+                      (block,) * c.n_layer)
 
 
 # ============================================================================================ measured
@@ -203,7 +203,7 @@ def measure_costs(cfg, batch_size: int, *, seed: int = 0, repeats: int = 3) -> C
 # ============================================================================================ the optimum
 @dataclass(frozen=True)
 class Choice:
-    plan: Plan
+    plan: RecomputePlan
     peak: int
     extra: float
 
@@ -250,7 +250,7 @@ def min_budget(costs: ChainCosts) -> int:
 
 def pareto_front(costs: ChainCosts, cost: str = "flops") -> list[Choice]:
     """The plans no other plan beats on both peak and extra cost, from the smallest peak up."""
-    return [Choice(Plan(units, "optimal"), peak, extra) for peak, extra, units in _frontier(costs, cost, None)]
+    return [Choice(RecomputePlan(units, "optimal"), peak, extra) for peak, extra, units in _frontier(costs, cost, None)]
 
 
 def optimal_plan(costs: ChainCosts, budget: int, cost: str = "flops") -> Choice:
@@ -266,7 +266,34 @@ def optimal_plan(costs: ChainCosts, budget: int, cost: str = "flops") -> Choice:
                          f"head's saved tensors plus one block's working set must fit at once. Use budget >= "
                          f"{smallest:,}, a smaller batch, or a shorter sequence")
     peak, extra, units = min(_frontier(costs, cost, budget), key=lambda f: (f[1], f[0]))
-    return Choice(Plan(units, "optimal"), peak, extra)
+    return Choice(RecomputePlan(units, "optimal"), peak, extra)
+
+
+# ============================================================================================ with tensor parallelism
+def rerun_tp_bytes(plan: RecomputePlan, cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *,
+                   sequence_parallel: bool = False, seq_len: int | None = None) -> int:
+    """Bytes tp rank `rank` sends again per micro-batch when `plan` recomputes tensor-parallel blocks (`apply_tp`,
+    then `apply_recompute`): the rerun re-issues every forward collective before the last op a saved tensor needs,
+    and no block's output is needed (the next unit keeps it), so each segment skips its last collective.
+
+        1D   a block's forward sends g (all-reduce of b·s·h) after attention and after the MLP
+             full segment of n blocks: 2n − 1 all-reduces      selective: 0 (the core precedes any collective)
+        SP   g_sp (all-gather), ḡ (reduce-scatter) after attention, the same around the MLP
+             full segment: 2n all-gathers + 2n − 1 reduce-scatters      selective: 1 all-gather (attention's g_sp)
+
+    `tp_bytes_per_microbatch` + this = what the ledger shows on the tp axis (tests/integration/test_recompute_tp.py).
+    """
+    n = micro_batch_size * (seq_len or get_config(cfg).seq_len) * get_config(cfg).d_model
+    ar, ag, rs = (f(n, tp_size, rank, elem) for f in (ring_all_reduce_bytes, ring_all_gather_bytes,
+                                                      ring_reduce_scatter_bytes))
+    total = 0
+    for u in plan.units:
+        blocks = u.end - u.start
+        if u.kind == "full":
+            total += (2 * blocks * ag + (2 * blocks - 1) * rs) if sequence_parallel else (2 * blocks - 1) * ar
+        elif u.kind == "selective" and sequence_parallel:
+            total += ag
+    return total
 
 
 # ============================================================================================ inside a pipeline
@@ -279,7 +306,7 @@ def stage_chain(costs: ChainCosts, bounds, stage: int) -> ChainCosts:
                       tuple(costs.blocks[start:end]))
 
 
-def plan_held(plan: Plan, costs: ChainCosts) -> int:
+def plan_held(plan: RecomputePlan, costs: ChainCosts) -> int:
     """What one forward keeps until its backward under `plan`: E + Σ_u held_u + H (`plan_peak` is the most it needs
     at once, in backward included)."""
     _check(plan, costs)
@@ -288,7 +315,7 @@ def plan_held(plan: Plan, costs: ChainCosts) -> int:
 
 def pipeline_peaks(schedule, bounds, costs: ChainCosts, policy: "str | dict" = "full") -> list[int]:
     """Per pipeline rank, the activation peak of `schedule` (no B/W split) when every (virtual) stage recomputes its
-    blocks by `policy` — a name for `make_plan` or {stage: Plan}. Each micro-batch in flight on stage k holds
+    blocks by `policy` — a name for `make_plan` or {stage: RecomputePlan}. Each micro-batch in flight on stage k holds
     held_k = `plan_held` of the stage's chain; the one whose backward runs needs work_k = `plan_peak` at once. With
     m micro-batches in flight the peak is (m − 1)·held_k + work_k (1F1B: m = S − k, docs/formulas.md §3.2);
     `schedules.peak_bytes` walks the op lists. The exact form of GPipe's O(N + (L/K)·(N/M)) with

@@ -11,9 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib.data import ShardedBatches
 from course_lib.memory import MemoryTracker
-from course_lib.memopt.recompute import (CheckpointError, Plan, Unit, all_but_matmuls, apply_recompute,
-                                         attention_core, checkpoint, make_plan, recompute_all, remove_recompute,
-                                         torch_policy)
+from course_lib.memopt.recompute import (CheckpointError, Plan, RecomputePlan, Unit, all_but_matmuls,
+                                         apply_recompute, attention_core, checkpoint, make_plan, recompute_all,
+                                         remove_recompute, torch_policy)
 from course_lib.memopt.recompute_plan import (FlopProbe, activation_peak, formula_costs, measure_costs, min_budget,
                                               optimal_plan, pareto_front, plan_extra, plan_peak)
 from course_lib.model import GPT, activation_bytes, block_activation_bytes, get_config, lm_loss
@@ -208,6 +208,87 @@ def test_apply_recompute_keeps_names_and_can_be_replaced_or_removed():
     assert n_hooks == 4
     remove_recompute(model)
     assert model.recompute_plan is None and not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
+
+
+class _Wrapper(torch.nn.Module):
+    """A wrapper the way DDP is one: the model it runs is `.module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+def test_apply_recompute_changes_the_model_in_place_and_reaches_through_wrappers():
+    assert Plan is RecomputePlan
+    model = GPT("nano")
+    assert apply_recompute(model, policy="full") is model
+    wrapped = _Wrapper(GPT("nano"))
+    assert apply_recompute(wrapped, policy="every", k=2) is wrapped and str(wrapped.recompute_plan) == "[F F]"
+    assert all(b._forward_hooks for b in wrapped.module.blocks)
+    x = torch.randint(0, 256, (2, 64))
+    _, loss = wrapped(x, x.roll(1, 1))
+    loss.backward()
+    ref = GPT("nano")
+    ref(x, x.roll(1, 1))[1].backward()
+    _assert_bitwise({n: p.grad for n, p in wrapped.module.named_parameters()},
+                    {n: p.grad for n, p in ref.named_parameters()})
+
+
+def test_a_model_without_blocks_is_refused_naming_what_to_pass():
+    with pytest.raises(TypeError, match="apply_recompute: Linear has no transformer blocks.*pass the course GPT"):
+        apply_recompute(torch.nn.Linear(3, 3))
+
+
+def test_a_recomputed_tensor_is_handed_back_once():
+    x = torch.randn(4, requires_grad=True)
+    y = checkpoint(lambda t: t.sin().exp(), x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(CheckpointError, match="unpacked a second time"):
+        y.sum().backward()
+
+
+def _peak(cfg, wrap, whole_model: bool) -> int:
+    """The device peak the memory accountant sees over one forward and backward (B = 8): one block of nano, or the
+    whole model, with each block passed through wrap(block, h)."""
+    model = GPT(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with MemoryTracker().watch(model) as mem:
+        if whole_model:
+            x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
+            torch.manual_seed(1)
+            h = model.embed(x)
+            for block in model.blocks:
+                h = wrap(block, h)
+            lm_loss(model.head(h), x.roll(1, 1)).backward()
+        else:
+            h = torch.randn(8, cfg.seq_len, cfg.d_model, generator=g).requires_grad_()
+            torch.manual_seed(1)
+            out = wrap(model.blocks[0], h)
+            out.backward(torch.ones_like(out))
+    return mem.peak
+
+
+@pytest.mark.parametrize("whole_model", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("policy", ["full", "selective", "all_but_matmuls"])
+def test_the_peak_is_never_above_torch_checkpoint_with_the_same_policy(policy, dropout, whole_model):
+    """Each kept tensor is let go once the rerun has handed it back, each recomputed one once autograd has it: the
+    peak equals torch's where both keep the same tensors (full recomputation; all_but_matmuls on a block whose
+    fc_out output a recomputed op reads, dropout on) and is below it where torch caches more (every output its
+    policy keeps: without dropout, fc_out's, which nothing reads in the rerun)."""
+    cfg = get_config("nano", dropout=dropout)
+    ours = _peak(cfg, lambda b, h: checkpoint(b, h, policy=POLICIES[policy]), whole_model)
+    theirs = _peak(cfg, (lambda b, h: torch_checkpoint(b, h, use_reentrant=False)) if policy == "full"
+                   else _torch_sac(POLICIES[policy]), whole_model)
+    assert ours <= theirs
+    if policy == "full":
+        assert ours == theirs
+    if policy == "all_but_matmuls" and not whole_model:
+        fc_out = 4 * 8 * cfg.seq_len * cfg.d_model
+        assert ours == theirs - (0 if dropout else fc_out)
 
 
 def test_no_grad_and_eval_run_without_segments():

@@ -187,6 +187,10 @@ def _expected_bytes(job: Parallelized, model, pipe, reducer, b: int) -> dict:
         parts = pipe.plan.parts(mesh.pp_rank) if pipe is not None else {}
         out["tp"] = tp_bytes_per_step(cfg, b, plan.tp, mesh.tp_rank, e, num_microbatches=M,
                                       sequence_parallel=plan.sequence_parallel, **parts)
+        if plan.recompute is not None:          # the replay re-issues the forward collectives it reruns
+            from .memopt.recompute_plan import rerun_tp_bytes
+            out["tp"] += M * rerun_tp_bytes(model.recompute_plan, cfg, b, plan.tp, mesh.tp_rank, e,
+                                            sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
         out["cp"] = cfg.n_layer * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
     if reducer is not None and hasattr(reducer, "expected_bytes_sent"):

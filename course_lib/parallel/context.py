@@ -191,6 +191,36 @@ def ring_attention(q, k, v, mesh_or_comm, *, seq_len: int, layout: str = "zigzag
     return _RingAttention.apply(q, k, v, comm, all_pos, tag)
 
 
+def allgather_attention(q, k, v, mesh_or_comm, *, seq_len: int, layout: str = "zigzag", tag: str = "cp_ag"):
+    """The same attention by Llama 3's choice: all-gather every rank's K and V (ring all-gathers, `g_sp`), attend
+    to all T keys at once, reduce-scatter dK and dV in backward. Bytes per layer: 2·(cp−1) blocks forward and
+    2·(cp−1) backward (`allgather_bytes_per_layer`) — fewer than the ring's — but every rank holds all T keys and
+    values, and its (T/cp)×T scores, for backward."""
+    from .tensor.megatron import g_sp
+    comm = axis_comm(mesh_or_comm, "cp")
+    cp = comm.world_size
+    B, nh, n, hs = k.shape
+
+    def gather(t, name):
+        flat = t.transpose(1, 2).reshape(B, n, nh * hs)                       # (B, T/cp, d)
+        full = g_sp.apply(flat, comm, f"{tag}:{name}")                         # (B, T, d), rank by rank
+        return full.reshape(B, cp * n, nh, hs).transpose(1, 2)                 # (B, nh, T, hs)
+
+    keys, values = gather(k, "k"), gather(v, "v")
+    pos_k = torch.cat([positions(seq_len, cp, j, layout) for j in range(cp)])
+    pos_q = positions(seq_len, cp, comm.rank, layout)
+    s = (q @ keys.transpose(-2, -1)) / math.sqrt(hs)                          # (B, nh, T/cp, T)
+    s = s.masked_fill(~(pos_q[:, None] >= pos_k[None, :]), float("-inf"))
+    return torch.softmax(s, -1) @ values                                       # (B, nh, T/cp, hs)
+
+
+def allgather_bytes_per_layer(micro_batch_size: int, seq_len: int, d_model: int, cp: int, elem: int) -> dict:
+    """Bytes one cp rank sends per attention layer with all-gathered K/V: a ring all-gather of K and of V forward,
+    a ring reduce-scatter of dK and of dV backward, (cp − 1) blocks each."""
+    block = micro_batch_size * (seq_len // cp) * d_model * elem
+    return {"forward": 2 * (cp - 1) * block, "backward": 2 * (cp - 1) * block}
+
+
 def reference_attention(q, k, v) -> torch.Tensor:
     """The single-process causal attention the ring must equal (the toy GPT's, without dropout)."""
     T = q.shape[-2]
@@ -260,4 +290,4 @@ def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelG
 
 
 __all__ = ["ContextParallelGPT", "apply_cp", "LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard", "ring_bytes_per_layer",
-           "ring_attention", "reference_attention"]
+           "ring_attention", "allgather_attention", "allgather_bytes_per_layer", "reference_attention"]

@@ -8,13 +8,14 @@ import torch
 
 from course_lib.costmodel import get_link
 from course_lib.data import ShardedBatches
-from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.files import disk_full, is_temporary
+from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
                                        OffloadPass, activation_offload_of, adamw_, apply_activation_offload,
                                        apply_offload, break_even_speedup, fit_options, largest_fitting,
                                        link_schedule, measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
                                        zero_offload_step_time)
+from course_lib.memopt.recompute import apply_recompute
 from course_lib.model import (GPT, activation_bytes, block_activation_bytes, embed_activation_bytes, get_config,
                               head_activation_bytes)
 from course_lib.parallel.pipeline.stage import PipelineStage, split_layers, stage_activation_bytes
@@ -246,6 +247,9 @@ def test_activation_offload_refuses_what_it_cannot_handle():
         stage(x)
     activation_offload_of(model).remove()                                   # hooks off: the stage runs plainly
     assert activation_offload_of(model) is None and stage(x).shape == (2, cfg.seq_len, cfg.d_model)
+    apply_recompute(model, policy="full")
+    with pytest.raises(ValueError, match="offload or recompute a block, not both"):
+        apply_activation_offload(model)
 
 
 # ============================================================================================ ZeRO-Offload

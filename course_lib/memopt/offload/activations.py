@@ -30,7 +30,7 @@ from ...costmodel import Link, get_link
 from ...dist.comm import Ledger
 from ...fits import DEFAULT_LINK
 from ...memory import carry_tracking, now, saved_tensors_hooks_over
-from ...model import blocks_of, block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes
+from ...model import block_activation_bytes, blocks_of, embed_activation_bytes, get_config, head_activation_bytes
 from .schedule import LinkSchedule, OffloadPass, link_schedule
 from .swaps import StorageSwap, _book, _Packed, _Stash, transfer_log
 
@@ -82,6 +82,10 @@ class ActivationOffload(nn.Module):
         layers = blocks_of(model) if layers is None else list(layers)
         if not layers:
             raise ValueError("ActivationOffload needs at least one layer to offload (pass layers=[...])")
+        if getattr(model, "recompute_plan", None) is not None:
+            raise ValueError("recomputation is applied to this model's blocks: it replays them in backward, where "
+                             "there is nothing left to offload; offload or recompute a block, not both "
+                             "(memopt.recompute.remove_recompute(model) first, or pass layers= the others)")
         taken = [m for m in [model, *layers] if activation_offload_of(m) is not None]
         if taken:
             raise ValueError(f"activation offload is already applied to this {type(taken[0]).__name__}: apply it "

@@ -12,7 +12,7 @@ from course_lib.files import disk_full, is_temporary
 from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
                                        OffloadPass, activation_offload_of, adamw_, apply_activation_offload,
-                                       apply_offload, break_even_speedup, fit_options, largest_fitting,
+                                       apply_offload, break_even_speedup, fit_options, gpt_shape, largest_fitting,
                                        link_schedule, measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
                                        zero_offload_step_time)
 from course_lib.memopt.recompute import apply_recompute
@@ -460,3 +460,16 @@ def test_the_decision_model_fits_by_its_formulas():
     o = fit_options(1e9, m)
     assert not o["none"]["recompute"] and not o["offload: host"]["recompute"]
     assert o["none"]["device"] - o["offload: host"]["device"] == 14e9          # 16Ψ → 2Ψ, same activations
+
+
+def test_the_decision_model_counts_korthikantis_activations_and_16_bytes_per_parameter():
+    m = Machine()
+    psi = 7e9
+    shape = gpt_shape(psi)
+    L, h, a, s, b = shape["n_layer"], shape["d_model"], shape["n_head"], m.seq_len, m.micro_batch_size
+    layer = s * b * h * (34 + 5 * a * s / h)                      # docs/formulas.md §4.3, 16-bit, with dropout
+    o = fit_options(psi, m)
+    assert o["recompute"]["device"] == pytest.approx(16 * psi + L * 2 * s * b * h + layer, rel=1e-12)
+    assert o["offload: host"]["device"] == pytest.approx(2 * psi + (L * 2 * s * b * h + layer if
+                                                          o["offload: host"]["recompute"] else L * layer), rel=1e-12)
+    assert o["offload: SSD"]["disk"] == 12 * psi and o["offload: SSD"]["host"] == 4 * psi

@@ -136,11 +136,13 @@ def test_activation_offload_inside_pipeline_stages_matches_the_pipeline_without_
         plain, off = r["plain"], r["offload"]
         assert plain["losses"] == off["losses"]
         assert all(torch.equal(plain["params"][k], off["params"][k]) for k in plain["params"])
-        assert off["d2h"] == off["h2d"] == 2 * M * 2 * A and off["held"] == 0     # 2 steps × M × 2 blocks
+        # 2 steps × M micro-batches × 2 blocks; stage 1 keeps the activation it received (the executor holds it)
+        X = 4 * B * PIPE.seq_len * PIPE.d_model
+        assert off["d2h"] == off["h2d"] == 2 * M * (2 * A - (X if rank else 0)) and off["held"] == 0
         k = in_flight[rank]
         if schedule != "zb_h1":             # (ZB-H1 keeps each linear's input until its deferred W runs)
-            # stage 0 keeps each held micro-batch's embedding; the last stage its head; the one in backward has
-            # its top block and the one arriving (or, in the head's backward, the top block arriving)
-            want = k * E + 2 * A if rank == 0 else (k - 1) * H + A + max(H, A)
+            # stage 0 keeps each held micro-batch's embedding; the last stage its head and input; the one in
+            # backward has its top block and the one arriving (or, in the head's backward, the top block arriving)
+            want = k * E + 2 * A if rank == 0 else (k - 1) * (H + X) + max(H + X + A, 2 * A)
             assert off["acts"] == want, (rank, off["acts"], want)
             assert plain["acts"] == (k * (E + 2 * A) if rank == 0 else k * (2 * A + H))

@@ -231,6 +231,37 @@ def test_activation_offload_runs_inside_a_pipeline_stage_called_directly():
     assert off.in_flight == 0
 
 
+def test_a_later_stage_keeps_its_received_input_and_offloads_the_rest():
+    """Stage 1 of 2 (blocks 2–3, the head and the loss), its input held by the caller as the pipeline executor holds
+    it: that storage stays (moving it would free nothing), everything else its blocks save moves. Two micro-batches
+    forward, then both backward; X = one input's bytes: (k − 1)·(A_head + X) + max(A_head + X + A_layer, 2·A_layer)
+    on the device, k·(2·A_layer − X) over the link each way."""
+    cfg, B, k = get_config("nano", n_layer=4), 2, 2
+    bounds = split_layers(cfg.n_layer, 2)
+    batches = _micro_batches(cfg, B, k)
+    g = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(B, cfg.seq_len, cfg.d_model, generator=g) for _ in range(k)]
+    got, mems = {}, {}
+    for name in ("plain", "offload"):
+        stage = PipelineStage(GPT(cfg), [1], bounds, 2)
+        off = ActivationOffload(stage) if name == "offload" else None
+        xs = [x.clone().requires_grad_() for x in inputs]
+        with MemoryTracker().watch(stage) as mem:
+            losses = [stage(x, y) for x, (_, y) in zip(xs, batches)]
+            for loss in losses:
+                loss.backward()
+            del losses
+        got[name], mems[name] = {n: p.grad for n, p in stage.named_parameters()}, mem
+        got[name]["inputs"] = torch.cat([x.grad for x in xs])
+    off.close()
+    assert all(torch.equal(got["plain"][n], got["offload"][n]) for n in got["plain"])
+    A, H, X = block_activation_bytes(cfg, B), head_activation_bytes(cfg, B), 4 * B * cfg.seq_len * cfg.d_model
+    assert stage_activation_bytes(cfg, bounds, 1, B) == 2 * A + H
+    assert mems["plain"].max_by_category["activations"] == k * (2 * A + H)
+    assert mems["offload"].max_by_category["activations"] == (k - 1) * (H + X) + max(H + X + A, 2 * A)
+    assert off.log.bytes_sent(op="d2h") == off.log.bytes_recv(op="h2d") == k * (2 * A - X)
+
+
 def test_activation_offload_refuses_what_it_cannot_handle():
     cfg = get_config("nano", n_layer=4)
     with pytest.raises(TypeError, match="has no transformer blocks"):

@@ -68,8 +68,9 @@ class ActivationOffload(nn.Module):
                   now, and the layer that ran before it in this forward starts coming back on a background thread
 
     Every forward keeps its own layers, so any number of forwards may await backward (1F1B keeps up to S on stage 0)
-    and be run backward in any order. Tensors saved outside the blocks (embedding, head, loss), parameters and buffers
-    stay where they are. Gradients are bitwise those without offload: only copies move. The module is a thin
+    and be run backward in any order. Tensors saved outside the blocks (embedding, head, loss), parameters, buffers
+    and the forward's own inputs (a later pipeline stage's received activation, which the executor holds) stay
+    where they are. Gradients are bitwise those without offload: only copies move. The module is a thin
     wrapper that calls `model` (for `train.run`); the hooks work as well when `model` is called directly.
     """
 
@@ -128,7 +129,10 @@ class ActivationOffload(nn.Module):
             raise RuntimeError(f"{type(module).__name__} was called inside its own forward: activation offload "
                                f"keeps one forward running at a time")
         # what never leaves: the parameters and buffers (autograd saves weights too; they are on the device anyway)
-        self._keep = {t.untyped_storage()._cdata for t in [*self.module.parameters(), *self.module.buffers()]}
+        # and this forward's inputs, which the caller holds (a pipeline stage's received activation: moving it
+        # would free nothing and bring a second copy back)
+        inputs = [t for t in tree_flatten(args)[0] if torch.is_tensor(t)]
+        self._keep = {t.untyped_storage()._cdata for t in [*self.module.parameters(), *self.module.buffers(), *inputs]}
         rec = _Forward(next(self._keys))
         with self._lock:
             self._forwards[rec.key] = rec

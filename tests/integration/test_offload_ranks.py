@@ -1,7 +1,9 @@
-"""ZeRO-Offload composed with ZeRO-2 on real gloo ranks (`apply_offload(model, mesh)`): each rank offloads only the
-optimizer state of its shard. Per-rank bytes on the device, the host and the disk (exact), link bytes 2P/N each way
-and wire bytes (exact), equality with the non-offloaded mixed-precision ZeRO-2 (bitwise) and, in float64, with one
-process (docs/formulas.md §2.2, §6.1)."""
+"""Offload on real gloo ranks. ZeRO-Offload composed with ZeRO-2 (`apply_offload(model, mesh)`): each rank offloads
+only the optimizer state of its shard. Per-rank bytes on the device, the host and the disk (exact), link bytes 2P/N
+each way and wire bytes (exact), equality with the non-offloaded mixed-precision ZeRO-2 (bitwise) and, in float64,
+with one process (docs/formulas.md §2.2, §6.1). Activation offload inside pipeline stages run by the executor
+(several micro-batches in flight): bitwise the pipeline without offload, and each stage's device activations by
+the formula for the micro-batches it holds (§6.4)."""
 from __future__ import annotations
 
 import os
@@ -12,10 +14,13 @@ import torch
 from course_lib.data import ShardedBatches
 from course_lib.dist.launch import launch
 from course_lib.dist.mesh import Mesh
-from course_lib.memopt.offload import OffloadAdam, apply_offload, offload_log
-from course_lib.model import GPT, GPTConfig
+from course_lib.memopt.offload import (OffloadAdam, activation_offload_of, apply_activation_offload, apply_offload,
+                                       offload_log)
+from course_lib.model import (GPT, GPTConfig, block_activation_bytes, embed_activation_bytes, get_config,
+                              head_activation_bytes)
 from course_lib.parallel.compose import data_parallel_batches
-from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
+from course_lib.parallel.pipeline.executor import apply_pipeline
+from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration
 
@@ -90,3 +95,54 @@ def test_zero2_offload_in_float64_matches_one_process(world_size):
     for k, p in model.named_parameters():
         for rank in ranks:
             assert (rank["params"][k] - p.detach()).abs().max().item() < 1e-12, k
+
+
+# ============================================================================================ inside a pipeline
+PIPE = get_config("nano", n_layer=4)          # 2 blocks per stage on 2 ranks
+M, B = 4, 2
+
+
+def _pipeline_worker(ctx, schedule):
+    """The same pipeline twice on this rank, without and with activation offload on its stage (the executor calls
+    the stage; the hooks on its blocks do the rest)."""
+    torch.set_num_threads(1)
+    tc = TrainConfig(steps=2, batch_size=M * B)
+    out = {}
+    for name in ("plain", "offload"):
+        mesh = Mesh(ctx.comm, pp=ctx.world_size)
+        stage, pipe = apply_pipeline(GPT(PIPE, seed=tc.seed), mesh, num_microbatches=M, schedule=schedule)
+        if name == "offload":
+            assert apply_activation_offload(stage, mesh) is stage
+        batches = mesh.batches(PIPE.seq_len, B, accum_steps=M, seed=tc.data_seed)
+        r = run(stage, make_optimizer(stage.parameters(), tc), batches, steps=tc.steps, step_fn=pipe,
+                probes=[MemoryProbe(timeline=False)])
+        off = activation_offload_of(stage)
+        out[name] = {"losses": [x for x in r.losses if x == x],
+                     "params": {k: v.detach().clone() for k, v in stage.named_parameters()},
+                     "acts": r["memory"]["report"].max_by_category["activations"],
+                     "d2h": off.log.bytes_sent(op="d2h") if off else 0, "h2d": off.log.bytes_recv(op="h2d") if off
+                     else 0, "held": off.in_flight if off else 0, "stages": stage.stages}
+        if off is not None:
+            off.remove()
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_activation_offload_inside_pipeline_stages_matches_the_pipeline_without_it(schedule):
+    ranks = launch(_pipeline_worker, 2, schedule, timeout=180)
+    A, E, H = (f(PIPE, B) for f in (block_activation_bytes, embed_activation_bytes, head_activation_bytes))
+    in_flight = {"gpipe": [M, M], "1f1b": [2, 1], "zb_h1": [2, 1]}[schedule]     # micro-batches held per stage
+    for rank, r in enumerate(ranks):
+        plain, off = r["plain"], r["offload"]
+        assert plain["losses"] == off["losses"]
+        assert all(torch.equal(plain["params"][k], off["params"][k]) for k in plain["params"])
+        # 2 steps × M micro-batches × 2 blocks; stage 1 keeps the activation it received (the executor holds it)
+        X = 4 * B * PIPE.seq_len * PIPE.d_model
+        assert off["d2h"] == off["h2d"] == 2 * M * (2 * A - (X if rank else 0)) and off["held"] == 0
+        k = in_flight[rank]
+        if schedule != "zb_h1":             # (ZB-H1 keeps each linear's input until its deferred W runs)
+            # stage 0 keeps each held micro-batch's embedding; the last stage its head and input; the one in
+            # backward has its top block and the one arriving (or, in the head's backward, the top block arriving)
+            want = k * E + 2 * A if rank == 0 else (k - 1) * (H + X) + max(H + X + A, 2 * A)
+            assert off["acts"] == want, (rank, off["acts"], want)
+            assert plain["acts"] == (k * (E + 2 * A) if rank == 0 else k * (2 * A + H))

@@ -8,12 +8,17 @@ import torch
 
 from course_lib.costmodel import get_link
 from course_lib.data import ShardedBatches
+from course_lib.files import disk_full, is_temporary
 from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
-                                       adamw_, apply_offload, break_even_speedup, fit_options, largest_fitting,
-                                       measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
+                                       OffloadPass, activation_offload_of, adamw_, apply_activation_offload,
+                                       apply_offload, break_even_speedup, fit_options, gpt_shape, largest_fitting,
+                                       link_schedule, measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
                                        zero_offload_step_time)
-from course_lib.model import GPT, activation_bytes, block_activation_bytes, get_config
+from course_lib.memopt.recompute import apply_recompute
+from course_lib.model import (GPT, activation_bytes, block_activation_bytes, embed_activation_bytes, get_config,
+                              head_activation_bytes)
+from course_lib.parallel.pipeline.stage import PipelineStage, split_layers, stage_activation_bytes
 from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
 
 torch.set_num_threads(1)
@@ -24,6 +29,7 @@ def _fwd_bwd(model, cfg, B, wrap=None):
     """One forward + backward under the memory accountant: (gradients, tracker)."""
     x, y = ShardedBatches(cfg.seq_len, B).global_batch(0)
     m = wrap(model) if wrap else model
+    torch.manual_seed(0)                         # the same dropout masks with and without offload
     with MemoryTracker().watch(model) as mem:
         _, loss = m(x, y)
         loss.backward()
@@ -35,8 +41,9 @@ def _fwd_bwd(model, cfg, B, wrap=None):
 
 # ============================================================================================ activations
 @pytest.mark.parametrize("cfg, B", [(NANO, 4), (get_config("nano", n_layer=1), 2),
-                                    (get_config("nano", n_layer=3, vocab_size=2048), 2)],
-                         ids=["nano", "one-layer", "big-head"])
+                                    (get_config("nano", n_layer=3, vocab_size=2048), 2),
+                                    (get_config("nano", n_layer=3, dropout=0.1), 2)],
+                         ids=["nano", "one-layer", "big-head", "dropout"])
 def test_activation_offload_gives_bitwise_gradients_and_keeps_only_the_layers_in_flight(cfg, B):
     ref, plain, _ = _fwd_bwd(GPT(cfg), cfg, B)
     got, mem, w = _fwd_bwd(GPT(cfg), cfg, B, ActivationOffload)
@@ -76,8 +83,7 @@ def test_without_prefetch_each_layer_is_fetched_when_its_backward_asks_and_gradi
     got, mem, w = _fwd_bwd(GPT(NANO), NANO, 2, lambda m: ActivationOffload(m, prefetch=False))
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     layer = block_activation_bytes(NANO, 2)
-    emb = 8 * 2 * NANO.seq_len + 8 * NANO.seq_len
-    head = activation_bytes(NANO, 2) - NANO.n_layer * layer - emb
+    emb, head = embed_activation_bytes(NANO, 2), head_activation_bytes(NANO, 2)
     assert mem.max_by_category["activations"] == emb + max(head, layer)      # one layer in flight, never two
 
 
@@ -95,18 +101,186 @@ def test_a_storage_saved_by_several_ops_moves_once_and_save_on_cpu_moves_it_per_
     assert w.log.messages(op="d2h") < saves_in_layers                     # one copy per storage, not per save
 
 
-def test_the_modeled_link_hides_behind_this_cpu_and_stops_hiding_on_a_faster_device():
+def test_the_modeled_link_carries_each_offloaded_byte_once_each_way():
     _, _, w = _fwd_bwd(GPT(NANO), NANO, 4, ActivationOffload)
     link = get_link("PCIe Gen4 x16")
     s = w.modeled_schedule(link)
-    assert s.hidden and s.exposed == 0.0
     layer = block_activation_bytes(NANO, 4)
     assert s.link_seconds["h2d"] == pytest.approx(NANO.n_layer * link.time(layer), rel=1e-12)   # one per layer
     assert s.link_seconds["d2h"] == pytest.approx(sum(link.time(n) for _, _, n in w.last_pass.offloads), rel=1e-12)
-    k = break_even_speedup(w.last_pass, link)
-    assert 1 < k < float("inf")
-    assert w.modeled_schedule(link, speedup=k * 1.01).exposed > 0
-    assert w.modeled_schedule(link, speedup=k / 1.01).exposed == 0
+    assert sorted(w.last_pass.fetches) == list(range(NANO.n_layer)) and s.exposed >= 0
+
+
+def _stated_pass(L, nbytes, fwd, bwd, head):
+    """What ActivationOffload records for L layers of one storage each, with stated (not measured) times: layer i
+    runs forward over [i·fwd, (i+1)·fwd] and offloads half-way; backward starts in the head (the top layer's
+    prefetch issued then), each layer's backward takes `bwd` and issues the prefetch of the layer below."""
+    p = OffloadPass()
+    for i in range(L):
+        p.forward[i] = (i * fwd, (i + 1) * fwd)
+        p.offloads.append((i * fwd + fwd / 2, i, nbytes))
+        p.layer_bytes[i] = nbytes
+    t = L * fwd
+    p.fetches[L - 1] = (t, nbytes)
+    t += head
+    for i in reversed(range(L)):
+        p.needed[i], p.backward[i] = t, (t, t + bwd)
+        if i:
+            p.fetches[i - 1] = (t, nbytes)
+        t += bwd
+    return p
+
+
+@pytest.mark.parametrize("fwd, bwd, head", [(1e-3, 2e-3, 3e-4), (4e-4, 1e-3, 5e-3), (1e-3, 4e-4, 1e-3)])
+def test_the_link_stops_hiding_when_the_tightest_window_is_shorter_than_one_transfer(fwd, bwd, head):
+    """Stated times: the tightest windows are the top layer's offload (fwd/2: issued half-way through the last
+    forward, due at its end), the head's backward (the top layer's prefetch) and a layer's backward (the next
+    prefetch). A device s times faster shrinks them by s, so the link is exposed from s* = min(fwd/2, head, bwd)/t."""
+    link = get_link("PCIe Gen4 x16")
+    nbytes, L = 1 << 20, 4
+    p = _stated_pass(L, nbytes, fwd, bwd, head)
+    s_star = min(fwd / 2, head, bwd) / link.time(nbytes)
+    assert link_schedule(p, link, speedup=s_star / 1.01).exposed == 0.0
+    assert link_schedule(p, link, speedup=s_star * 1.01).exposed > 0.0
+    assert break_even_speedup(p, link) == pytest.approx(s_star, rel=2e-3)
+    s = link_schedule(p, link, speedup=s_star / 1.01)
+    assert s.link_seconds == pytest.approx({"d2h": L * link.time(nbytes), "h2d": L * link.time(nbytes)}, rel=1e-12)
+    assert s.compute_seconds == pytest.approx((L * fwd + head + L * bwd) / (s_star / 1.01), rel=1e-12)
+
+
+def _micro_batches(cfg, B, k):
+    return [ShardedBatches(cfg.seq_len, B, seed=5).global_batch(j) for j in range(k)]
+
+
+@pytest.mark.parametrize("order", ["reverse", "forward"])
+@pytest.mark.parametrize("cfg", [NANO, get_config("nano", n_layer=3, vocab_size=2048)], ids=["nano", "big-head"])
+def test_several_forwards_in_flight_each_bring_their_own_layers_back(order, cfg):
+    """k forwards, then their k backwards (as 1F1B does on stage 0): every forward keeps its own layers, each
+    storage moves once, gradients are bitwise those without offload (summed in the same order), and the device
+    holds (k − 1)·(A_emb + A_head) + A_emb + A_layer + max(A_head, A_layer) at most."""
+    B, k = 2, 3
+    batches = _micro_batches(cfg, B, k)
+    backward_order = list(reversed(range(k))) if order == "reverse" else list(range(k))
+    grads, mems = {}, {}
+    for name in ("plain", "offload"):
+        model = GPT(cfg)
+        w = ActivationOffload(model) if name == "offload" else model
+        with MemoryTracker().watch(model) as mem:
+            losses = [w(x, y)[1] for x, y in batches]
+            if name == "offload":
+                assert w.in_flight == k
+            for j in backward_order:
+                losses[j].backward()
+            del losses
+        grads[name], mems[name] = {n: p.grad for n, p in model.named_parameters()}, mem
+    w.close()
+    assert all(torch.equal(grads["plain"][n], grads["offload"][n]) for n in grads["plain"])
+    layer = block_activation_bytes(cfg, B)
+    assert mems["plain"].max_by_category["activations"] == k * activation_bytes(cfg, B)
+    assert mems["offload"].max_by_category["activations"] == offloaded_activation_peak(cfg, B, in_flight=k) == \
+        (k - 1) * (embed_activation_bytes(cfg, B) + head_activation_bytes(cfg, B)) + \
+        offloaded_activation_peak(cfg, B)
+    assert mems["offload"].peak_at("host") == k * cfg.n_layer * layer          # every forward's layers, once
+    assert w.log.bytes_sent(op="d2h") == w.log.bytes_recv(op="h2d") == k * cfg.n_layer * layer
+    assert sum(e.op == "h2d" for e in w.log.events) == k * cfg.n_layer          # one fetch per layer per forward
+    assert w.in_flight == 0 and mems["offload"].current["activations"] == 0 and mems["offload"].total_at("host") == 0
+
+
+def test_a_forward_whose_graph_is_dropped_leaves_nothing_behind():
+    model = GPT(NANO)
+    w = ActivationOffload(model)
+    (x, y), = _micro_batches(NANO, 2, 1)
+    with MemoryTracker().watch(model) as mem:
+        loss = w(x, y)[1]
+        assert w.in_flight == 1 and mem.current_at("host")["activations"] == NANO.n_layer * \
+            block_activation_bytes(NANO, 2)
+        del loss
+        with torch.no_grad():
+            w(x, y)
+    assert w.in_flight == 0 and mem.total_at("host") == 0
+
+
+def test_activation_offload_runs_inside_a_pipeline_stage_called_directly():
+    """Stage 0 of 2 (2 of 4 blocks, the embedding), as the pipeline executor runs it: the stage is called, no
+    wrapper. Two micro-batches forward, then both backward: bitwise the stage's gradients without offload, and
+    device activations k·A_emb + 2·A_layer (no head here: the top block arrives, then the one below it)."""
+    cfg, B, k = get_config("nano", n_layer=4), 2, 2
+    bounds = split_layers(cfg.n_layer, 2)
+    batches = _micro_batches(cfg, B, k)
+    g = torch.Generator().manual_seed(1)
+    grads_out = [torch.randn(B, cfg.seq_len, cfg.d_model, generator=g) for _ in range(k)]
+    got, mems = {}, {}
+    for name in ("plain", "offload"):
+        stage = PipelineStage(GPT(cfg), [0], bounds, 2)
+        if name == "offload":
+            assert apply_activation_offload(stage) is stage              # in place: the same kind of model
+            off = activation_offload_of(stage)
+        with MemoryTracker().watch(stage) as mem:
+            outs = [stage(x) for x, _ in batches]
+            for out, grad in zip(outs, grads_out):
+                torch.autograd.backward(out, grad)
+            del outs
+        got[name], mems[name] = {n: p.grad for n, p in stage.named_parameters()}, mem
+    off.close()
+    assert all(torch.equal(got["plain"][n], got["offload"][n]) for n in got["plain"])
+    layer, emb = block_activation_bytes(cfg, B), embed_activation_bytes(cfg, B)
+    assert stage_activation_bytes(cfg, bounds, 0, B) == emb + 2 * layer
+    assert mems["plain"].max_by_category["activations"] == k * (emb + 2 * layer)
+    assert mems["offload"].max_by_category["activations"] == k * emb + 2 * layer
+    assert off.log.bytes_sent(op="d2h") == off.log.bytes_recv(op="h2d") == k * 2 * layer
+    assert off.in_flight == 0
+
+
+def test_a_later_stage_keeps_its_received_input_and_offloads_the_rest():
+    """Stage 1 of 2 (blocks 2–3, the head and the loss), its input held by the caller as the pipeline executor holds
+    it: that storage stays (moving it would free nothing), everything else its blocks save moves. Two micro-batches
+    forward, then both backward; X = one input's bytes: (k − 1)·(A_head + X) + max(A_head + X + A_layer, 2·A_layer)
+    on the device, k·(2·A_layer − X) over the link each way."""
+    cfg, B, k = get_config("nano", n_layer=4), 2, 2
+    bounds = split_layers(cfg.n_layer, 2)
+    batches = _micro_batches(cfg, B, k)
+    g = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(B, cfg.seq_len, cfg.d_model, generator=g) for _ in range(k)]
+    got, mems = {}, {}
+    for name in ("plain", "offload"):
+        stage = PipelineStage(GPT(cfg), [1], bounds, 2)
+        off = ActivationOffload(stage) if name == "offload" else None
+        xs = [x.clone().requires_grad_() for x in inputs]
+        with MemoryTracker().watch(stage) as mem:
+            losses = [stage(x, y) for x, (_, y) in zip(xs, batches)]
+            for loss in losses:
+                loss.backward()
+            del losses
+        got[name], mems[name] = {n: p.grad for n, p in stage.named_parameters()}, mem
+        got[name]["inputs"] = torch.cat([x.grad for x in xs])
+    off.close()
+    assert all(torch.equal(got["plain"][n], got["offload"][n]) for n in got["plain"])
+    A, H, X = block_activation_bytes(cfg, B), head_activation_bytes(cfg, B), 4 * B * cfg.seq_len * cfg.d_model
+    assert stage_activation_bytes(cfg, bounds, 1, B) == 2 * A + H
+    assert mems["plain"].max_by_category["activations"] == k * (2 * A + H)
+    assert mems["offload"].max_by_category["activations"] == (k - 1) * (H + X) + max(H + X + A, 2 * A)
+    assert off.log.bytes_sent(op="d2h") == off.log.bytes_recv(op="h2d") == k * (2 * A - X)
+
+
+def test_activation_offload_refuses_what_it_cannot_handle():
+    cfg = get_config("nano", n_layer=4)
+    with pytest.raises(TypeError, match="has no transformer blocks"):
+        apply_activation_offload(torch.nn.Linear(4, 4))
+    model = GPT(cfg)
+    apply_activation_offload(model)
+    with pytest.raises(ValueError, match="already applied"):
+        apply_activation_offload(model)
+    stage = PipelineStage(model, [0], split_layers(cfg.n_layer, 2), 2)     # cut after offloading the GPT
+    with pytest.raises(ValueError, match="already applied"):
+        apply_activation_offload(stage)
+    x, _ = _micro_batches(cfg, 2, 1)[0]
+    with pytest.raises(RuntimeError, match="apply it to the model that is called"):
+        stage(x)
+    activation_offload_of(model).remove()                                   # hooks off: the stage runs plainly
+    assert activation_offload_of(model) is None and stage(x).shape == (2, cfg.seq_len, cfg.d_model)
+    apply_recompute(model, policy="full")
+    with pytest.raises(ValueError, match="offload or recompute a block, not both"):
+        apply_activation_offload(model)
 
 
 # ============================================================================================ ZeRO-Offload
@@ -237,6 +411,21 @@ def test_a_disk_filling_up_mid_step_raises_a_clear_error_and_leaves_no_file(tmp_
     assert opt.disk.closed and os.listdir(tmp_path) == []
 
 
+def test_a_disk_that_fills_up_inside_a_chunk_write_leaves_the_old_chunk_and_no_temporary(tmp_path):
+    """The ENOSPC comes from inside the one atomic write (`files.disk_full`), half-way through a chunk: the chunk on
+    disk is still the old one, the temporary file is gone, and the error names the fix."""
+    tier = DiskTier([1000, 2000], directory=str(tmp_path), chunk_bytes=12_000)
+    tier.initialize([torch.ones(1000), torch.ones(2000)])
+    before = open(tier.path(0), "rb").read()
+    with disk_full(after_bytes=tier.chunk_nbytes[0] // 2), pytest.raises(OffloadDiskError, match="is full: .*"
+                                                                                           "offload_dir="):
+        tier._write(0, torch.zeros(tier.chunk_nbytes[0] // 4))
+    assert open(tier.path(0), "rb").read() == before
+    assert not any(is_temporary(p) for p in os.listdir(tier.root))
+    tier.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_offload_directory_that_cannot_hold_files_is_a_clear_error(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
@@ -261,7 +450,7 @@ def test_chunk_writes_are_atomic_renames(tmp_path):
         tier.step(lambda i, master, m, v: master.add_(1))
     finally:
         os.replace = real
-    assert seen and all(src == dst + ".tmp" and existed for src, dst, existed in seen)
+    assert seen and all(is_temporary(src) and src.startswith(f".{dst}.") and existed for src, dst, existed in seen)
     masters = []
     tier.step(lambda i, master, m, v: masters.append((i, master.clone())))
     assert sorted((i, float(t[0])) for i, t in masters) == [(0, 2.0), (1, 3.0), (2, 4.0)]
@@ -277,10 +466,12 @@ def test_measured_disk_bandwidth_is_positive_and_leaves_nothing(tmp_path):
 
 def test_apply_offload_builds_the_pieces_for_train_run(tmp_path):
     tc = TrainConfig(steps=2, batch_size=2)
-    model, opt = apply_offload(GPT(NANO), optimizer="disk", offload_dir=str(tmp_path), **optimizer_kwargs(tc))
-    assert isinstance(model, ActivationOffload) and isinstance(opt, OffloadAdam) and opt.log is model.log
+    gpt = GPT(NANO)
+    model, opt = apply_offload(gpt, optimizer="disk", offload_dir=str(tmp_path), **optimizer_kwargs(tc))
+    off = activation_offload_of(model)
+    assert model is gpt and isinstance(off, ActivationOffload) and isinstance(opt, OffloadAdam) and opt.log is off.log
     r = run(model, opt, ShardedBatches(NANO.seq_len, tc.batch_size), steps=tc.steps)
-    model.close()
+    off.close()
     opt.close()
     assert len(r.losses) == 2 and next(model.parameters()).dtype == torch.bfloat16
     assert {e.group for e in opt.log.events} >= {"pcie", "disk", "compute"}
@@ -300,3 +491,16 @@ def test_the_decision_model_fits_by_its_formulas():
     o = fit_options(1e9, m)
     assert not o["none"]["recompute"] and not o["offload: host"]["recompute"]
     assert o["none"]["device"] - o["offload: host"]["device"] == 14e9          # 16Ψ → 2Ψ, same activations
+
+
+def test_the_decision_model_counts_korthikantis_activations_and_16_bytes_per_parameter():
+    m = Machine()
+    psi = 7e9
+    shape = gpt_shape(psi)
+    L, h, a, s, b = shape["n_layer"], shape["d_model"], shape["n_head"], m.seq_len, m.micro_batch_size
+    layer = s * b * h * (34 + 5 * a * s / h)                      # docs/formulas.md §4.3, 16-bit, with dropout
+    o = fit_options(psi, m)
+    assert o["recompute"]["device"] == pytest.approx(16 * psi + L * 2 * s * b * h + layer, rel=1e-12)
+    assert o["offload: host"]["device"] == pytest.approx(2 * psi + (L * 2 * s * b * h + layer if
+                                                          o["offload: host"]["recompute"] else L * layer), rel=1e-12)
+    assert o["offload: SSD"]["disk"] == 12 * psi and o["offload: SSD"]["host"] == 4 * psi

@@ -191,6 +191,16 @@ class ParallelPlan:
         if self.pp > 1 and cfg.tie_weights:
             raise PlanError("a pipeline needs untied embeddings: with tie_weights=True the LM head on the last stage "
                             "shares its weight with the embedding on stage 0; use a config with tie_weights=False")
+        if self.offload_activations and self.recompute is not None:
+            raise PlanError(f"offload_activations with recompute={self.recompute!r}: recomputation replays the blocks "
+                            f"in backward, when their saved tensors are already gone, so there is nothing left to "
+                            f"offload; choose one of the two for the same blocks")
+        if self.offload_activations and (self.zero == 3 or self.sequence_parallel):
+            why = ("FSDP's gathered weights appear inside the blocks and would be offloaded needlessly"
+                   if self.zero == 3 else "sequence parallelism keeps its own saved-tensor hooks inside the blocks, "
+                                          "which take precedence, so part of each block would silently stay")
+            raise PlanError(f"offload_activations with {'zero=3' if self.zero == 3 else 'sequence_parallel'}: {why}; "
+                            f"use offload with zero ≤ 2 and without sequence parallelism")
         if self.offload_optimizer is not None:
             if self.zero in (0, 3) and self.dp > 1:
                 raise PlanError(f"offload_optimizer moves each rank's optimizer shard to the {self.offload_optimizer} "

@@ -136,8 +136,10 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
     if plan.recompute is not None:                                                    # 3. recomputation
         apply_recompute(model, mesh, policy=plan.recompute)
         applied.append(("recomputation", model))
-    if plan.offload_activations:                                                      # 4. activation offload
-        raise PlanError("offload_activations is not composed yet")
+    if plan.offload_activations:                                                      # activation offload
+        from .memopt.offload import activation_offload_of, apply_activation_offload
+        apply_activation_offload(model, mesh)
+        applied.append(("activation offload", activation_offload_of(model)))
     if plan.precision is not None:                                                    # 5. precision
         raise PlanError("precision is not composed yet")
     optimizer = None                                                                  # 6. data parallel / ZeRO

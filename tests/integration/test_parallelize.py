@@ -41,6 +41,8 @@ MATRIX = {
         P(dp=8, zero=3),
         P(dp=8, zero=3, fsdp_replicate="norms+biases"),
         P(dp=8, zero=1),
+        P(pp=2, dp=2, tp=2, microbatches=2, offload_activations=True),
+        P(pp=2, dp=4, microbatches=2, zero=2, schedule="zb_h1", offload_activations=True),
     ]),
     6: (6, [
         P(dp=3, tp=2, zero=1, sequence_parallel=True),

@@ -21,6 +21,11 @@ CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
     (ParallelPlan(dp=2, fsdp_replicate="norms+biases"), 2, 4, r"fsdp_replicate .* but zero=0"),
     (ParallelPlan(dp=2, offload_optimizer="host"), 2, 4, r"needs ZeRO-1 or 2 over dp=2"),
     (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="fp16"), 2, 4, r"use precision='bf16'"),
+    (ParallelPlan(dp=2, recompute="full", offload_activations=True), 2, 4, r"nothing left to offload"),
+    (ParallelPlan(dp=2, zero=3, offload_activations=True), 2, 4, r"FSDP's gathered weights"),
+    (ParallelPlan(tp=2, sequence_parallel=True, offload_activations=True), 2, 4, r"own saved-tensor hooks"),
+    (ParallelPlan(dp=2, cp=2, tp=2), 8, 4, r"with tp=2 the TP layers"),
+    (ParallelPlan(dp=2, ep=2), 2, 4, r"the model is dense"),
 ])
 def test_a_plan_that_cannot_work_is_refused_with_the_fix(plan, world, batch, match):
     with pytest.raises(PlanError, match=match):
@@ -42,6 +47,7 @@ def test_a_pipeline_needs_untied_embeddings():
     ("recompute", "all", "recompute='all'"), ("precision", "fp64", "precision='fp64'"),
     ("offload_optimizer", "gpu", "'host'"), ("sequence_parallel", 1, "True or False"),
     ("fsdp_replicate", -1, "positive number of elements"), ("microbatches", 1.5, "positive integer"),
+    ("ep", 2, "ep=2 must divide dp=1"), ("cp_layout", "ring", "'zigzag'"),
 ])
 def test_a_field_out_of_range_is_refused_when_the_plan_is_made(field, value, match):
     with pytest.raises(PlanError, match=match):

@@ -339,6 +339,20 @@ def apply_dp(model: nn.Module, mesh_or_comm, *, kind: str = "bucket", **options)
     return cls(model, axis_comm(mesh_or_comm, "dp"), **options)
 
 
-__all__ = ["apply_dp", "DP_KINDS", "DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",
+def reduce_once_per_step(step_fn, reducer):
+    """A `train.run` step_fn: `step_fn` (e.g. `train.forward_backward` over K micro-batches) with `reducer` — a DDP
+    wrapper, or a ZeRO-1/2 `ShardedOptimizer` — accumulating locally throughout (`no_sync`), then ONE
+    `finish_gradient_synchronization()`: one reduction per step however many backward passes the step makes
+    (ZeRO-2 would otherwise reduce-scatter after each). The pipeline executor does the same with its reducer."""
+    def step(model, batches, step: int, phase) -> float:
+        with reducer.no_sync():
+            loss = step_fn(model, batches, step, phase)
+        with phase("sync"):
+            reducer.finish_gradient_synchronization()
+        return loss
+    return step
+
+
+__all__ = ["apply_dp", "reduce_once_per_step", "DP_KINDS", "DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",
            "ring_all_reduce_messages", "ddp_bytes_per_step", "ddp_messages_per_step", "DEFAULT_BUCKET_CAP_BYTES",
            "GRAD_TAG", "BROADCAST_TAG", "ALGORITHMS", "packs_before_backward_end"]

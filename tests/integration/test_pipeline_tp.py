@@ -8,8 +8,9 @@ equal its formula:
     tp   `tensor.tp_bytes_per_step`            over this stage's blocks, embedding / head + loss only where held
     dp   `expected_bytes_sent()` of the reducer: DDP's buckets, or ZeRO's reduce-scatter + all-gather ONCE per step
 
-Meshes (pp, dp, tp): (2, 2, 2) and (4, 1, 2) on 8 ranks, (3, 2, 1) and (3, 1, 2) on 6 (an axis of size 3, an
-uneven split 2 + 1 + 1). One combination also wraps the stage in a forward wrapper after the split: every
+Meshes (pp, dp, tp): (2, 2, 2) and (4, 1, 2) on 8 ranks; (3, 2, 1), (3, 1, 2) and (1, 3, 2) on 6 (axes of size
+3; an uneven split 2 + 1 + 1; the last is TP + ZeRO-2 under gradient accumulation, no pipeline, which must reduce
+once per step too). One combination also wraps the stage in a forward wrapper after the split: every
 micro-batch's forward must run through it. Exact by construction: every parallel form regroups the same float64
 sums, so the differences are a few ulps; 1e-12 leaves room for 1e4.
 """
@@ -28,7 +29,8 @@ from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.pipeline import PipelineStage, apply_pipeline, boundary_bytes, split_layers
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_step
 from course_lib.parallel.zero import apply_zero
-from course_lib.train import LedgerProbe, TrainConfig, make_optimizer, optimizer_kwargs, run, train_reference
+from course_lib.train import (LedgerProbe, TrainConfig, forward_backward, make_optimizer, optimizer_kwargs, run,
+                              train_reference)
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +46,8 @@ COMBOS = {
         (4, 1, 2): [("zb_h1", 1, 4, True, 0, "tp_pp", False),
                     ("1f1b", 1, 5, False, 0, "pp_tp", False)]},
     6: {(3, 2, 1): [("zb_h1", 1, 3, False, 2, "pp_tp", False)],
-        (3, 1, 2): [("1f1b", 1, 4, True, 0, "tp_pp", False)]},
+        (3, 1, 2): [("1f1b", 1, 4, True, 0, "tp_pp", False)],
+        (1, 3, 2): [(None, 1, 3, True, 2, "tp", False)]},        # no pipeline: K = 3 accumulation micro-steps
 }
 
 
@@ -71,21 +74,27 @@ def _reference(global_batch: int):
 
 
 def _build(mesh, tc, schedule, chunks, M, sp, zero, order):
-    """This rank's model the way a composer builds it: TP and the pipeline split (either order), then ZeRO/DDP."""
+    """This rank's model the way a composer builds it: TP and the pipeline split (either order), then ZeRO/DDP.
+    Returns (the TP model or stage, the model train.run gets, optimizer, step_fn, the dp reducer, the layout)."""
     model = GPT(CFG, seed=tc.seed).double()
     tp = mesh.size("tp") > 1
-    if order == "tp_pp" and tp:
+    if order in ("tp_pp", "tp") and tp:
         model = apply_tp(model, mesh, sequence_parallel=sp)
-    stage, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks)
-    if order == "pp_tp" and tp:
-        assert apply_tp(stage, mesh, sequence_parallel=sp) is stage          # in place: the same kind of model
+    pipe = None
+    if schedule is not None:
+        model, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks)
+        if order == "pp_tp" and tp:
+            assert apply_tp(model, mesh, sequence_parallel=sp) is model      # in place: the same kind of model
     if zero == 0:
-        wrapped = pipe.data_parallel = apply_dp(stage, mesh)
-        optimizer = make_optimizer(stage.parameters(), tc)
+        wrapped = reducer = apply_dp(model, mesh)
+        optimizer = make_optimizer(model.parameters(), tc)
     else:
-        wrapped, optimizer = apply_zero(stage, mesh, zero, **optimizer_kwargs(tc))
-        pipe.data_parallel = optimizer                  # ZeRO-1/2 reduce in the optimizer, once per step
-    return stage, pipe, wrapped, optimizer
+        wrapped, optimizer = apply_zero(model, mesh, zero, **optimizer_kwargs(tc))
+        reducer = optimizer                             # ZeRO-1/2 reduce in the optimizer, once per step
+    if pipe is None:
+        return model, wrapped, optimizer, functools.partial(forward_backward, sync=reducer), reducer, None
+    pipe.data_parallel = reducer
+    return model, wrapped, optimizer, pipe, reducer, pipe.plan
 
 
 def _composed(ctx, combos, references):
@@ -94,23 +103,24 @@ def _composed(ctx, combos, references):
         mesh = Mesh(ctx.comm, pp=pp, dp=dp, tp=tp)
         for schedule, chunks, M, sp, zero, order, wrapped_fwd in runs:
             tc = _tc(dp, M)
-            stage, pipe, model, optimizer = _build(mesh, tc, schedule, chunks, M, sp, zero, order)
+            inner, model, optimizer, step_fn, reducer, layout = _build(mesh, tc, schedule, chunks, M, sp, zero, order)
             if wrapped_fwd:
                 model = _Counting(model)
             ctx.comm.ledger.reset()
             r = run(model, optimizer, mesh.batches(CFG.seq_len, B, accum_steps=M, seed=tc.data_seed), steps=STEPS,
-                    step_fn=pipe, probes=[LedgerProbe(ctx.comm, spans=False, groups=("pp", "dp", "tp"))],
+                    step_fn=step_fn, probes=[LedgerProbe(ctx.comm, spans=False, groups=("pp", "dp", "tp"))],
                     keep_params=True)
-            shard = getattr(stage.model, "local_shard", lambda name, full: full)
+            tp_model = getattr(inner, "model", inner)          # a stage runs its model's pieces
+            shard = getattr(tp_model, "local_shard", lambda name, full: full)
             ref = references[dp * M * B][1]
             out.append({"combo": (pp, dp, tp, schedule, chunks, M, sp, zero, order), "coords": mesh.coords,
-                        "last": pipe.last in stage.stages, "losses": r.losses,
+                        "last": layout is None or step_fn.last in inner.stages, "losses": r.losses,
                         "d_param": max((p - shard(k, ref[k])).abs().max().item() for k, p in r.params.items()),
                         "names": sorted(r.params), "bytes": r["ledger"]["group_bytes"],
-                        "dp_want": pipe.data_parallel.expected_bytes_sent(),
-                        "dp_numel": getattr(pipe.data_parallel, "padded_numel", None) or pipe.data_parallel.psi,
-                        "forwards": (model.calls, sum(op.kind == "F" for op in pipe.ops) * STEPS)
-                        if wrapped_fwd else None, "layout": pipe.plan})
+                        "dp_want": reducer.expected_bytes_sent(),
+                        "dp_numel": getattr(reducer, "padded_numel", None) or reducer.psi,
+                        "forwards": (model.calls, sum(op.kind == "F" for op in step_fn.ops) * STEPS)
+                        if wrapped_fwd else None, "layout": layout})
             if hasattr(model, "close"):
                 model.close()
     return out
@@ -156,9 +166,11 @@ def test_per_axis_ledger_bytes_of_every_step_equal_the_formulas(world_size):
         pp, dp, tp, schedule, chunks, M, sp, zero, order = combo
         for c in ranks:
             layout, (p, t) = c["layout"], (c["coords"]["pp"], c["coords"]["tp"])
-            want = {"pp": boundary_bytes(layout, B, CFG.seq_len, CFG.d_model, E, tp_size=tp, sequence_parallel=sp)[p],
-                    "tp": tp_bytes_per_step(CFG, B, tp, t, E, num_microbatches=M, sequence_parallel=sp,
-                                            **layout.parts(p)) if tp > 1 else 0,
+            parts = layout.parts(p) if layout is not None else {}             # no pipeline: the whole model
+            want = {"pp": boundary_bytes(layout, B, CFG.seq_len, CFG.d_model, E, tp_size=tp, sequence_parallel=sp)[p]
+                    if layout is not None else 0,
+                    "tp": tp_bytes_per_step(CFG, B, tp, t, E, num_microbatches=M, sequence_parallel=sp, **parts)
+                    if tp > 1 else 0,
                     "dp": c["dp_want"]}
             assert c["bytes"] == [want] * STEPS, (combo, c["coords"], c["bytes"], want)
             assert (want["dp"] > 0) == (dp > 1)

@@ -7,8 +7,8 @@ import torch
 
 from course_lib.memory import MemoryTracker
 from course_lib.model import GPT, activation_bytes, get_config
-from course_lib.parallel.pipeline import (PipelineStage, defer_weight_grads, plan_pipeline, run_weight_grads,
-                                          split_layers, stage_activation_bytes)
+from course_lib.parallel.pipeline import (PipelineStage, boundary_bytes, defer_weight_grads, plan_pipeline,
+                                          run_weight_grads, split_layers, stage_activation_bytes)
 
 CFG = get_config("nano", n_layer=6, seq_len=16)
 
@@ -126,3 +126,63 @@ def test_a_good_plan_holds_its_schedule_and_bounds():
     plan = plan_pipeline(CFG, 3, 4, "interleaved", chunks=2, world_size=6)
     assert plan.bounds == tuple((k, k + 1) for k in range(6)) and plan.num_stages == 3 and plan.num_microbatches == 4
     assert plan.schedule.stages_of(1) == [1, 4]
+
+
+@pytest.mark.parametrize("elem, dropout", [(2, 0.0), (8, 0.0), (2, 0.1)])
+def test_stage_activation_bytes_add_up_to_the_models_for_every_element_size(elem, dropout):
+    """One source (model.embed_activation_bytes / head_activation_bytes): LayerNorm's statistics and
+    cross-entropy's weight are in the activation dtype, so the stages agree with the model at 2 and 8 bytes too."""
+    cfg = CFG.replace(dropout=dropout)
+    for S in (2, 3):
+        bounds = split_layers(cfg.n_layer, S)
+        assert sum(stage_activation_bytes(cfg, bounds, k, 3, elem) for k in range(S)) == activation_bytes(cfg, 3,
+                                                                                                        elem_bytes=elem)
+
+
+def test_the_last_stage_runs_the_models_own_loss_and_the_stage_its_hidden_shape():
+    class Halved(GPT):
+        def loss(self, logits, targets):
+            return super().loss(logits, targets) / 2
+
+        def hidden_shape(self, batch_size, seq_len=None):
+            return ("shape of", batch_size, seq_len)
+
+    x, y = _batch()
+    model = Halved(CFG)
+    want = GPT(CFG)(x, y)[1] / 2
+    bounds = split_layers(CFG.n_layer, 2)
+    first, last = (PipelineStage(model, [k], bounds, 2) for k in range(2))
+    assert torch.allclose(last(first(x), y), want, rtol=0, atol=1e-6)
+    assert first.hidden_shape(3, 16) == ("shape of", 3, 16)
+    assert {n for n, _ in first.named_children()} == {"wte", "wpe", "drop", "blocks"}
+    assert {n for n, _ in last.named_children()} == {"blocks", "ln_f", "lm_head"}
+
+
+def test_deferred_weight_gradients_reach_grad_through_autograd_and_its_hooks():
+    """B leaves a deferred weight's .grad alone and fires no hook for it; W accumulates it the way autograd does
+    and fires its post-accumulate-grad hook once — what DDP's overlap and ZeRO-2 listen to."""
+    gpt = GPT(CFG, seed=3).double()
+    x, y = _batch()
+    linears = {id(m.weight) for m in gpt.modules() if isinstance(m, torch.nn.Linear)}
+    fired = []
+    for p in gpt.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
+    pending = []
+    with defer_weight_grads(pending):
+        loss = gpt(x, y)[1]
+    loss.backward()
+    assert not linears & set(fired) and len(fired) == len(list(gpt.parameters())) - len(linears) - len(
+        [m for m in gpt.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None])
+    fired.clear()
+    run_weight_grads(pending)
+    assert sorted(fired) == sorted(id(p) for m in gpt.modules() if isinstance(m, torch.nn.Linear)
+                                   for p in m.parameters())
+
+
+def test_boundary_bytes_under_sequence_parallelism_are_a_tth():
+    plan = plan_pipeline(CFG, 3, 4)
+    whole = boundary_bytes(plan, 2, CFG.seq_len, CFG.d_model, 4)
+    assert boundary_bytes(plan, 2, CFG.seq_len, CFG.d_model, 4, tp_size=4, sequence_parallel=True) == \
+        [w // 4 for w in whole]
+    assert boundary_bytes(plan, 2, CFG.seq_len, CFG.d_model, 4, tp_size=4) == whole   # replicated: every tp rank
+    assert whole == [2 * 4 * 16 * 32 * 4 * n for n in (1, 2, 1)]                        # M·b·T·d·e per message

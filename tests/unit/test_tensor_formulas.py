@@ -12,8 +12,8 @@ from course_lib.dist.collectives import ring_all_gather_bytes, ring_reduce_scatt
 from course_lib.model import GPT, GPTConfig, block_activation_bytes
 from course_lib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, check_tp, colossal_bandwidth,
                                         grid_bytes, grid_of, layer_activation_bytes, layer_bytes, make_grid,
-                                        paper_activation_bytes, sp_layer_bytes, tp_bytes_per_microbatch, tp_plan,
-                                        vocab_parallel_cross_entropy)
+                                        paper_activation_bytes, sp_layer_bytes, tp_bytes_per_microbatch,
+                                        tp_bytes_per_step, tp_plan, vocab_parallel_cross_entropy)
 
 SOLO = types.SimpleNamespace(world_size=1, rank=0)     # a one-rank group: the collectives return at once
 
@@ -150,3 +150,33 @@ def test_vocab_parallel_cross_entropy_masks_padding_and_matches_cross_entropy():
     (g_ours,) = torch.autograd.grad(ours, logits)
     (g_ref,) = torch.autograd.grad(ref, logits)
     assert (g_ours - g_ref).abs().max().item() < 1e-15
+
+
+@pytest.mark.parametrize("sp, plan", [(False, "megatron"), (True, "megatron"), (False, "naive")])
+@pytest.mark.parametrize("pp, chunks", [(2, 1), (3, 1), (2, 2)])
+def test_tp_bytes_of_the_pipeline_stages_add_up_to_the_whole_models(sp, plan, pp, chunks):
+    """Per stage, `tp_bytes_per_microbatch` counts only its blocks, the embedding where stage 0 is and the head
+    and loss where the last stage is: over the pp ranks every part adds up to the unsplit model's, for any split."""
+    from course_lib.parallel.pipeline import plan_pipeline
+    cfg = GPTConfig(seq_len=12, n_layer=4, n_head=4, d_model=24)
+    layout = plan_pipeline(cfg, pp, 2 * pp, "interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+    for t, rank in ((2, 1), (3, 2), (4, 0)):
+        whole = tp_bytes_per_microbatch(cfg, 2, t, rank, 8, sequence_parallel=sp, plan=plan)
+        parts = [tp_bytes_per_microbatch(cfg, 2, t, rank, 8, sequence_parallel=sp, plan=plan, **layout.parts(p))
+                 for p in range(pp)]
+        assert {k: sum(part[k] for part in parts) for k in whole} == whole
+        assert [p["layers"] for p in parts] == [layout.parts(p)["layers"] * whole["layers"] // cfg.n_layer
+                                                for p in range(pp)]
+        assert tp_bytes_per_step(cfg, 2, t, rank, 8, num_microbatches=3, sequence_parallel=sp, plan=plan) \
+            == 3 * sum(whole.values())
+
+
+def test_the_plan_of_a_pipeline_stage_covers_only_what_the_stage_holds():
+    from course_lib.parallel.pipeline import PipelineStage, split_layers
+    gpt = GPT(GPTConfig(n_layer=3))
+    bounds = split_layers(3, 3)
+    plans = [dict(tp_plan(PipelineStage(gpt, [k], bounds, 3))) for k in range(3)]
+    whole = dict(tp_plan(GPT(GPTConfig(n_layer=3))))
+    assert {n: s for p in plans for n, s in p.items()} == whole        # the stages partition the GPT's table
+    assert "wte" in plans[0] and "lm_head" in plans[2] and not {"wte", "ln_f", "lm_head"} & plans[1].keys()
+    assert {n.split(".")[1] for n in plans[1] if n.startswith("blocks.")} == {"1"}   # the GPT's index of its block

@@ -26,8 +26,9 @@ the end of the step. With these rules a schedule runs exactly when `schedules.va
 
 Checked against (docs/formulas.md §3.5): per step, each boundary between consecutive stages carries
 2·M·b·T·d·e bytes (activations forward, gradients backward), v times as many boundaries with v chunks per rank —
-read from the ledger per rank, under the 'pp' axis; with sequence parallelism each tp rank sends its slice, T/t. Gradients equal the single-process model's on the same
-micro-batches (float64: the pipeline only regroups the same additions).
+read from the ledger per rank, under the 'pp' axis; under sequence parallelism each tp rank sends only its slice
+of the sequence, T/t. Gradients equal the single-process model's on the same micro-batches (float64: the pipeline
+only regroups the same additions).
 """
 from __future__ import annotations
 

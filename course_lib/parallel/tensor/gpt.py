@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ...dist.mesh import axis_comm
 from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ...model import GPT, TP_PLAN
+from ...model import GPT, TP_PLAN, blocks_of
 from ..pipeline.stage import PipelineStage
 from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
                        padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
@@ -143,7 +143,7 @@ class TensorParallelGPT(nn.Module):
             raise ValueError(f"sequence parallelism splits the sequence: length {idx.shape[1]} is not a multiple "
                              f"of tp_size={self.tp_size}")
         x = self.embed(idx)
-        for block in self.blocks:
+        for block in blocks_of(self):
             x = block(x)
         logits = self.head(x)
         return logits, None if targets is None else self.loss(logits, targets)
@@ -305,7 +305,7 @@ def torch_parallelize_blocks(model: GPT, device_mesh, *, prepare_input: bool = T
     parallelize_module leaves that at the global width while wq's output is now local: set it to the local one."""
     from torch.distributed.tensor.parallel import parallelize_module
     t = device_mesh.size()
-    for block in model.blocks:
+    for block in blocks_of(model):
         parallelize_module(block, device_mesh, torch_tp_plan(prepare_input=prepare_input))
         block.attn.wq.out_features //= t
     return model

@@ -2,6 +2,7 @@
 scaler against torch.amp.GradScaler, mixed precision's bytes and numerics, FP8 simulation against torchao."""
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -185,15 +186,16 @@ def test_without_loss_scaling_fp16_activation_gradients_of_a_trained_model_under
     run(model, make_optimizer(model.parameters(), TrainConfig(batch_size=8)), ShardedBatches(CFG.seq_len, 8), steps=80)
     x, y = ShardedBatches(CFG.seq_len, 32, seed=99).get(0)
     g32 = P.backward_gradients(model, x, y)
-    half = P.apply_precision(model, recipe="fp16").module
+    half = copy.deepcopy(model).half()           # the bare cast: apply_precision would add its loss scale
     plain, scaled = P.backward_gradients(half, x, y), P.backward_gradients(half, x, y, scale=2.0 ** 16)
     ref, S = g32["activations"], 2.0 ** 16
     assert P.underflow_fraction(ref, plain["activations"]) > 0.01
     # With S no element is lost to fp16's range: any zero left is rounding inside fp16 arithmetic (a softmax
-    # probability that rounds to 1 makes p − 1 exactly 0), i.e. its scaled fp32 value lies well inside the normal
-    # range. Such zeros are rare (a handful in 655,360 on one machine) and depend on the platform's kernels.
+    # probability that rounds to 1 makes p − 1 exactly 0), i.e. its scaled fp32 value is one fp16 can hold (at least
+    # half the smallest subnormal, below which a cast rounds to 0). Such zeros are rare (a handful in 655,360) and
+    # depend on the platform's kernels and thread count; some of them lie in the subnormal range.
     lost = (scaled["activations"] == 0) & (ref != 0)
-    assert ((ref[lost].abs() * S) >= P.FORMATS["fp16"].min_normal).all()
+    assert ((ref[lost].abs() * S) >= P.FORMATS["fp16"].min_subnormal / 2).all()
     assert P.underflow_fraction(ref, scaled["activations"]) < P.underflow_fraction(ref, plain["activations"]) / 100
     assert not torch.isinf(scaled["activations"]).any()
 

@@ -277,3 +277,52 @@ def test_fp8_with_current_scaling_matches_torchaos_float8_training():
 def test_apply_fp8_with_a_filter_that_matches_nothing_says_so():
     with pytest.raises(ValueError, match="no nn.Linear"):
         P.apply_fp8(GPT(CFG), filter=lambda name: False)
+
+
+# ============================================================================================ the contract
+def test_apply_precision_changes_the_model_in_place_and_keeps_its_kind_names_and_fp32_masters():
+    from course_lib import optim
+    model = GPT(CFG)
+    names = [n for n, _ in model.named_parameters()]
+    originals = [p.detach().clone() for p in model.parameters()]
+    out = P.apply_precision(model, recipe="bf16")
+    assert out is model and isinstance(model, GPT) and isinstance(model, P.MixedPrecisionModel)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(optim.master_of(p), o) for p, o in zip(model.parameters(), originals))   # not rounded
+    x, y = ShardedBatches(CFG.seq_len, 2).get(0)
+    logits, loss = model(x, y)
+    assert logits.dtype == torch.float32 and loss.dtype == torch.float32
+    assert model.embed(x).dtype == torch.bfloat16                  # its pieces still work, in the compute dtype
+    with pytest.raises(ValueError, match="already cast"):
+        P.apply_precision(model, recipe="bf16")
+
+
+def test_a_pipeline_stage_stays_a_stage_and_only_the_last_one_gets_fp32_logits():
+    from course_lib.parallel.pipeline.stage import PipelineStage
+    bounds = GPT(CFG).stage_bounds(2)
+    first = P.apply_precision(PipelineStage(GPT(CFG), [0], bounds, 2), recipe="bf16")
+    last = P.apply_precision(PipelineStage(GPT(CFG), [1], bounds, 2), recipe="bf16")
+    assert isinstance(first, PipelineStage) and isinstance(last, PipelineStage)
+    x, y = ShardedBatches(CFG.seq_len, 2).get(0)
+    h = first(x)
+    assert h.dtype == torch.bfloat16 and last(h.detach()).dtype == torch.float32
+    assert last(h.detach(), y).dtype == torch.float32
+
+
+def test_the_loss_scale_enters_at_the_logits_and_the_reported_loss_is_the_true_one():
+    """fp16 with S = 2^10 against the same model unscaled: the same loss is reported, and the gradient entering
+    backward at the (fp32) logits is exactly S times the unscaled one (S is a power of two)."""
+    x, y = ShardedBatches(CFG.seq_len, 2).get(0)
+    S = 2.0 ** 10
+    scaled = P.apply_precision(GPT(CFG), recipe="fp16", scaler=P.DynamicLossScaler(init_scale=S))
+    plain = P.apply_precision(GPT(CFG), recipe="fp16-unscaled")
+    out = []
+    for m in (scaled, plain):
+        with P.fp32_accumulation():
+            logits, loss = m(x, y)
+            logits.retain_grad()                   # retained after the tensor's other hooks: what backward starts from
+            loss.backward()
+        out.append((loss.item(), logits.grad))
+    (l_s, g_s), (l_p, g_p) = out
+    assert l_s == l_p and g_s.dtype == torch.float32 and torch.equal(g_s, g_p * S) and g_p.abs().max() > 0

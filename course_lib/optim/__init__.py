@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .adamw import AdamW, adamw_
 from .eightbit import Adam8bit, adam8bit_state_bytes
-from .master import MixedPrecisionOptimizer, master_of, overflow_vote, set_master
+from .master import MixedPrecisionOptimizer, kept_master, master_of, overflow_vote, set_master
 
 OPTIMIZERS = {"adamw": AdamW, "adam8bit": Adam8bit}
 
@@ -68,4 +68,4 @@ def make(params, recipe="fp32", *, optimizer="adamw", scaler=None, vote=None, **
 
 
 __all__ = ["adamw_", "AdamW", "Adam8bit", "adam8bit_state_bytes", "MixedPrecisionOptimizer", "master_of",
-           "set_master", "overflow_vote", "OPTIMIZERS", "optimizer_class", "make"]
+           "kept_master", "set_master", "overflow_vote", "OPTIMIZERS", "optimizer_class", "make"]

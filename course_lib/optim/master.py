@@ -28,11 +28,19 @@ def set_master(param: torch.Tensor, master: torch.Tensor) -> None:
     _MASTERS[param] = master
 
 
+def kept_master(param: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master `set_master` kept for `param` (the exact fp32 originals, as `apply_precision` keeps them
+    before casting), or None. A sharder that repacks parameters (ZeRO) packs these, and keeps them for its shards."""
+    return _MASTERS.get(param)
+
+
 def master_of(param: torch.Tensor) -> torch.Tensor:
-    """`param`'s master copy: the fp32 values `set_master` kept (the exact fp32 originals, as `apply_precision`
-    keeps them before casting), else a new fp32 copy of param's own values."""
+    """`param`'s master copy: the kept one; else an fp32 parameter is its own master (FSDP's fp32 shards, which it
+    casts itself); else a new fp32 copy of param's low-precision values (ZeRO's shards, when nothing was kept)."""
     m = _MASTERS.get(param)
-    return m if m is not None else param.detach().float().clone()
+    if m is not None:
+        return m
+    return param.detach() if param.dtype == torch.float32 else param.detach().float().clone()
 
 
 def overflow_vote(found_inf: bool, over=None) -> bool:
@@ -106,4 +114,4 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return None
 
 
-__all__ = ["set_master", "master_of", "overflow_vote", "MixedPrecisionOptimizer"]
+__all__ = ["set_master", "kept_master", "master_of", "overflow_vote", "MixedPrecisionOptimizer"]

@@ -5,9 +5,9 @@ rank that owns that element: without a vote over dp that rank alone would skip t
 the ranks' scalers would part ways. With `overflow_vote` over the mesh (one 4-byte all-reduce on the world), every
 rank skips the same steps and its scale follows torch.amp.GradScaler's trajectory for the agreed overflows.
 
-One launch of 4 ranks runs: (1) a dp × tp = 2 × 2 mesh, an inf on one rank's gradient; (2) ZeRO-1 over dp = 4 with
-the fp16 recipe's MixedPrecisionOptimizer as the inner optimizer, an inf injected into one rank's gradient at one
-step, once with the vote over the mesh and once (the control) with no vote.
+One launch of 4 ranks runs: (1) a dp × tp = 2 × 2 mesh, an inf on one rank's gradient; (2) ZeRO-1 and ZeRO-2 over dp = 4
+with the fp16 recipe's MixedPrecisionOptimizer as the inner optimizer, an inf injected into one rank's gradient at
+one step, with the vote over the mesh, and ZeRO-1 once more (the control) with no vote.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _grid_skip(ctx):
             "flag bytes": ctx.comm.ledger.bytes_sent(tag="found_inf")}
 
 
-def _zero1(ctx, vote: bool):
+def _zero(ctx, vote: bool, stage: int = 1):
     mesh = Mesh(ctx.comm, dp=WORLD)
     model = P.apply_precision(GPT(CFG), mesh, recipe="fp16", scaler=P.DynamicLossScaler(**SCALER))
     backwards = [0]
@@ -61,8 +61,8 @@ def _zero1(ctx, vote: bool):
         return g
     model.blocks[0].attn.wq.weight.register_hook(poison)
     inner = optim.optimizer_class(model.recipe, scaler=model.scaler, vote=mesh if vote else None)
-    opt = ShardedOptimizer(model.parameters(), inner, mesh["dp"], stage=1, bucket_cap_bytes=None,
-                           tag=f"zero vote={vote}", **optimizer_kwargs(TrainConfig()))
+    opt = ShardedOptimizer(model.parameters(), inner, mesh["dp"], stage=stage, bucket_cap_bytes=None,
+                           tag=f"zero{stage} vote={vote}", **optimizer_kwargs(TrainConfig()))
     r = run(model, opt, mesh.batches(CFG.seq_len, 2), steps=STEPS, step_fn=model.step_fn())
     opt.remove_hooks()
     return {"history": model.scaler.history, "skipped": opt.optimizer.skipped, "losses": r.losses,
@@ -72,7 +72,8 @@ def _zero1(ctx, vote: bool):
 
 def _worker(ctx):
     torch.set_num_threads(1)
-    return {"grid": _grid_skip(ctx), "voted": _zero1(ctx, True), "alone": _zero1(ctx, False)}
+    return {"grid": _grid_skip(ctx), "voted": _zero(ctx, True), "voted2": _zero(ctx, True, stage=2),
+            "alone": _zero(ctx, False)}
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +88,17 @@ def test_on_a_dp_x_tp_mesh_one_ranks_overflow_skips_the_step_on_every_rank(ranks
                                "flag bytes": round(2 * (WORLD - 1) * 4 / WORLD)}
 
 
-def test_under_zero1_every_rank_skips_the_same_step_and_follows_grad_scalers_trajectory(ranks):
-    flags = [inf for _, inf in ranks[0]["voted"]["history"]]
+@pytest.mark.parametrize("run", ["voted", "voted2"])
+def test_under_zero_1_and_2_every_rank_skips_the_same_step_and_follows_grad_scalers_trajectory(ranks, run):
+    flags = [inf for _, inf in ranks[0][run]["history"]]
     assert flags == [s == POISONED_STEP for s in range(STEPS)]
     want = [SCALER["init_scale"]] + P.grad_scaler_trajectory(flags, **SCALER)[:-1]   # the scale each step used
     for out in ranks:
-        v = out["voted"]
-        assert v["history"] == ranks[0]["voted"]["history"] and [s for s, _ in v["history"]] == want
+        v = out[run]
+        assert v["history"] == ranks[0][run]["history"] and [s for s, _ in v["history"]] == want
         assert v["skipped"] == 1 and v["finite"]
-        assert torch.equal(v["params"], ranks[0]["voted"]["params"])
+        assert torch.equal(v["params"], ranks[0][run]["params"])
+    assert ranks[0]["voted2"]["losses"] == ranks[0]["voted"]["losses"]     # stage 2 reduces the same sums
 
 
 def test_without_the_vote_over_dp_only_the_owner_of_the_poisoned_element_skips(ranks):

@@ -139,3 +139,18 @@ def test_the_factory_refuses_what_cannot_work(recipe, kw, match):
 
 def test_the_vote_of_one_process_is_its_own_flag():
     assert optim.overflow_vote(True) is True and optim.overflow_vote(False, None) is False
+
+
+def test_fp32_parameters_are_their_own_masters_and_the_scaled_step_is_adamws_on_the_unscaled_gradient():
+    """FSDP's fp32 shards (it casts them itself): no second copy; with loss scale S = 2^5 the step equals torch's
+    AdamW fed g (the gradients arrive as S·g, S a power of two: unscaling is exact)."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    opt = optim.make(ours, "fp16", scaler=P.DynamicLossScaler(init_scale=2.0 ** 5), **HYPER)
+    ref = torch.optim.AdamW(theirs, foreach=False, **HYPER)
+    assert all(m.data_ptr() == p.data_ptr() for m, p in zip(opt.masters, ours))
+    for step in range(3):
+        for a, b, g in zip(ours, theirs, _grads(step, torch.float32)):
+            a.grad, b.grad = g * 2.0 ** 5, g.clone()
+        opt.step()
+        ref.step()
+    assert opt.skipped == 0 and all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -119,7 +119,8 @@ def _fp32_logits(scaler):
 
 
 def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf16",
-                    scaler: DynamicLossScaler | None = None, head: str = "lm_head") -> MixedPrecisionModel:
+                    scaler: DynamicLossScaler | None = None, head: str = "lm_head",
+                    cast: bool = True) -> MixedPrecisionModel:
     """Cast `model` to the recipe's compute precision, in place; returns the same object, now also a
     MixedPrecisionModel (see there). Run it after tensor parallelism and the pipeline split (it casts whatever
     parameters this rank holds) and before data parallelism / ZeRO, which then reduce and shard the compute
@@ -127,7 +128,9 @@ def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf
 
     mesh: every rank of it (pp, dp and tp) agrees on whether a step overflowed (`optim.overflow_vote`). head: the
     submodule whose output are the logits (none: e.g. a pipeline stage without the head — the scaled gradient
-    then arrives from the next stage)."""
+    then arrives from the next stage). cast=False: the parameters stay fp32 and are their own masters, for a
+    sharder that casts them itself (FSDP with compute_dtype=model.recipe.compute_dtype); only the fp32 logits and
+    the loss scale are installed."""
     r = get_recipe(recipe)
     if isinstance(model, MixedPrecisionModel):
         raise ValueError(f"apply_precision: this model is already cast by recipe {model.recipe.name!r}; apply it once")
@@ -135,10 +138,11 @@ def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf
         raise ValueError("apply_precision expects an fp32 model (it keeps the fp32 values as master weights); "
                          f"got parameters of {sorted({str(p.dtype) for p in model.parameters()})}")
     from ...optim.master import set_master                   # the optimizer module finds the masters there
-    if r.master_weights:
+    if cast and r.master_weights:
         for p in model.parameters():
             set_master(p, p.detach().clone())
-    model.to(r.compute_dtype)                                 # in place: the same Parameter objects
+    if cast:
+        model.to(r.compute_dtype)                             # in place: the same Parameter objects
     model.__class__ = _mixed_class(type(model))
     model.recipe = r
     model.scaler = (scaler or DynamicLossScaler()) if r.loss_scaling else None

@@ -5,7 +5,8 @@ rank that owns that element: without a vote over dp that rank alone would skip t
 the ranks' scalers would part ways. With `overflow_vote` over the mesh (one 4-byte all-reduce on the world), every
 rank skips the same steps and its scale follows torch.amp.GradScaler's trajectory for the agreed overflows.
 
-One launch of 4 ranks runs: (1) a dp × tp = 2 × 2 mesh, an inf on one rank's gradient; (2) ZeRO-1 and ZeRO-2 over dp = 4
+One launch of 4 ranks runs: (1) a dp × tp = 2 × 2 mesh, an inf on one rank's gradient, and the bf16 recipe on a
+TensorParallelGPT; (2) ZeRO-1 and ZeRO-2 over dp = 4
 with the fp16 recipe's MixedPrecisionOptimizer as the inner optimizer, an inf injected into one rank's gradient at
 one step, with the vote over the mesh, and ZeRO-1 once more (the control) with no vote.
 """
@@ -70,9 +71,24 @@ def _zero(ctx, vote: bool, stage: int = 1):
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
+def _tensor_parallel(ctx):
+    """dp × tp = 2 × 2: the bf16 recipe on a TensorParallelGPT keeps it one, its vocab-sharded logits leave the head
+    in fp32 (so the vocab-parallel loss reduces in fp32) and its gradients are bf16."""
+    from course_lib.parallel.tensor import TensorParallelGPT, apply_tp
+    mesh = Mesh(ctx.comm, dp=2, tp=2)
+    model = P.apply_precision(apply_tp(GPT(CFG), mesh), mesh, recipe="bf16")
+    x, y = mesh.batches(CFG.seq_len, 2).get(0)
+    logits, loss = model(x, y)
+    loss.backward()
+    single = P.apply_precision(GPT(CFG), recipe="bf16")(x, y)[1].item()
+    return {"kind": isinstance(model, TensorParallelGPT), "logits": (logits.dtype, logits.shape[-1]),
+            "grads": {p.grad.dtype for p in model.parameters() if p.grad is not None}, "loss": loss.item(),
+            "single": single}
+
+
 def _worker(ctx):
     torch.set_num_threads(1)
-    return {"grid": _grid_skip(ctx), "voted": _zero(ctx, True), "voted2": _zero(ctx, True, stage=2),
+    return {"tp": _tensor_parallel(ctx), "grid": _grid_skip(ctx), "voted": _zero(ctx, True), "voted2": _zero(ctx, True, stage=2),
             "alone": _zero(ctx, False)}
 
 
@@ -86,6 +102,14 @@ def test_on_a_dp_x_tp_mesh_one_ranks_overflow_skips_the_step_on_every_rank(ranks
     for out in ranks:
         assert out["grid"] == {"skipped": 1, "scale": 2.0 ** 7, "unchanged": True,
                                "flag bytes": round(2 * (WORLD - 1) * 4 / WORLD)}
+
+
+def test_a_tensor_parallel_gpt_stays_one_with_fp32_vocab_sharded_logits_and_bf16_gradients(ranks):
+    """Its loss is the single-process bf16 model's to bf16 rounding: within 10 unit round-offs (2^−8) relative."""
+    for out in ranks:
+        t = out["tp"]
+        assert t["kind"] and t["logits"] == (torch.float32, CFG.vocab_size // 2) and t["grads"] == {torch.bfloat16}
+        assert abs(t["loss"] - t["single"]) <= 10 * 2.0 ** -8 * t["single"]
 
 
 @pytest.mark.parametrize("run", ["voted", "voted2"])

@@ -326,3 +326,24 @@ def test_the_loss_scale_enters_at_the_logits_and_the_reported_loss_is_the_true_o
         out.append((loss.item(), logits.grad))
     (l_s, g_s), (l_p, g_p) = out
     assert l_s == l_p and g_s.dtype == torch.float32 and torch.equal(g_s, g_p * S) and g_p.abs().max() > 0
+
+
+def test_a_deep_copy_scales_with_its_own_scaler_and_a_model_without_blocks_is_no_wrapper():
+    from course_lib.model import blocks_of
+    x, y = ShardedBatches(CFG.seq_len, 2).get(0)
+    model = P.apply_precision(GPT(CFG), recipe="fp16", scaler=P.DynamicLossScaler(init_scale=4.0))
+    twin = copy.deepcopy(model)
+    twin.scaler.scale = 8.0
+    grads = []
+    for m in (model, twin):
+        with P.fp32_accumulation():
+            logits, loss = m(x, y)
+            logits.retain_grad()
+            loss.backward()
+        grads.append(logits.grad)
+    assert model.scaler.scale == 4.0 and torch.equal(grads[1], grads[0] * 2)
+    assert model.module is model                                  # notebook 09's name for it, kept
+    linear = P.apply_precision(torch.nn.Linear(3, 3), recipe="bf16")
+    assert not hasattr(linear, "module")                           # so unwrapping `.module` cannot loop
+    with pytest.raises(TypeError, match="no transformer blocks"):
+        blocks_of(linear)

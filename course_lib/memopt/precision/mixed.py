@@ -97,7 +97,10 @@ class MixedPrecisionModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":        # the wrapper of earlier versions held the model as `.module`: now itself
+            # The wrapper of earlier versions held the model as `.module` (notebook 09 still reads it): now the
+            # model itself — only for a model with its own blocks, so that code unwrapping `.module` until it
+            # finds blocks (model.blocks_of) can never loop on it.
+            if name == "module" and "blocks" in self._modules:
                 return self
             raise
 
@@ -111,11 +114,17 @@ def _mixed_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _fp32_logits(scaler):
-    def hook(module, args, out):
+class _Fp32Logits:
+    """The head's forward hook: logits to fp32, and the owner's loss scale attached to them. It reads the scaler
+    from its owner at every call (a deep copy of the model then uses the copy's scaler)."""
+
+    def __init__(self, owner: nn.Module):
+        self.owner = owner
+
+    def __call__(self, module, args, out):
         out = out.float()                                  # (B, T, V) or (B, T, V/t): the loss reduces in fp32
+        scaler = self.owner.scaler
         return scaler.attach(out) if scaler is not None else out
-    return hook
 
 
 def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf16",
@@ -149,7 +158,7 @@ def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf
     model.mesh = mesh
     lm_head = dict(model.named_modules()).get(head)
     if lm_head is not None and (r.compute_dtype != torch.float32 or model.scaler is not None):
-        lm_head.register_forward_hook(_fp32_logits(model.scaler))
+        lm_head.register_forward_hook(_Fp32Logits(model))
     return model
 
 

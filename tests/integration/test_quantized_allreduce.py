@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from course_lib.dist.collectives import all_reduce_ring, ring_all_reduce_bytes
+from course_lib.dist.collectives import all_reduce_ring, chunk_sizes, ring_all_reduce_bytes
 from course_lib.dist.launch import LaunchError, launch
 from course_lib.dist.mesh import Mesh
 from course_lib.memopt import precision as P
@@ -96,7 +96,7 @@ def test_each_rank_sends_exactly_a_quarter_of_the_fp32_rings_bytes_plus_four_per
             codes, scales = Q.quantized_ring_all_reduce_bytes(N, p, rank, kind, BLOCK, split=True)
             assert out["one"][kind]["sent"] == codes + scales
             assert codes == (ring_all_reduce_bytes(N, p, rank, 1) if kind != "int4" else
-                             sum((n + 1) // 2 for c, n in enumerate(Q.chunk_sizes(N, p)) for skip in
+                             sum((n + 1) // 2 for c, n in enumerate(chunk_sizes(N, p)) for skip in
                                  (rank, (rank + 1) % p) if c != skip))
             if kind != "int4":
                 assert 4 * codes == fp32

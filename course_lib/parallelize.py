@@ -107,57 +107,66 @@ def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None) -> Paralle
 
 
 def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
+    from . import optim
+    from .memopt.offload import activation_offload_of, apply_activation_offload
+    from .memopt.precision import apply_precision
     from .memopt.recompute import apply_recompute
+    from .parallel.context import apply_cp
     from .parallel.dp import apply_dp
+    from .parallel.expert import ExpertDataParallel, apply_ep
     from .parallel.fsdp import apply_fsdp
     from .parallel.pipeline import apply_pipeline
     from .parallel.tensor import apply_tp
     from .parallel.zero import ShardedOptimizer
-    from .train import forward_backward, make_optimizer, optimizer_kwargs
-    from .parallel.context import apply_cp
-    from .parallel.expert import ExpertDataParallel, apply_ep
+    from .train import forward_backward, optimizer_kwargs
     applied = []
-    cfg = model.config
-    M = plan.microbatches
-    if plan.cp > 1:                                                                   # context parallel
+    cfg, M = model.config, plan.microbatches
+    if plan.cp > 1:                                                           # context parallel
         model = apply_cp(model, mesh, layout=plan.cp_layout)
         applied.append(("context parallel", model))
-    if plan.tp > 1:                                                                   # tensor parallel
+    if plan.tp > 1:                                                           # tensor parallel
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
         applied.append(("tensor parallel", model))
     step_fn, pipe = forward_backward, None
-    if plan.pp > 1:                                                                   # 2. pipeline split
+    if plan.pp > 1:                                                           # pipeline split
         model, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=plan.schedule, chunks=plan.chunks)
         step_fn = pipe
         applied.append(("pipeline split", pipe))
-    if plan.ep > 1:                                                                   # expert parallel
+    if plan.ep > 1:                                                           # expert parallel
         apply_ep(model, mesh)
         applied.append(("expert parallel", model))
-    if plan.recompute is not None:                                                    # 3. recomputation
+    if plan.recompute is not None:                                            # recomputation
         apply_recompute(model, mesh, policy=plan.recompute)
         applied.append(("recomputation", model))
-    if plan.offload_activations:                                                      # activation offload
-        from .memopt.offload import activation_offload_of, apply_activation_offload
+    if plan.offload_activations:                                              # activation offload
         apply_activation_offload(model, mesh)
         applied.append(("activation offload", activation_offload_of(model)))
-    if plan.precision is not None:                                                    # 5. precision
-        raise PlanError("precision is not composed yet")
-    optimizer = None                                                                  # 6. data parallel / ZeRO
-    wrapped = model
+    recipe, scaler = "fp32", None                                             # precision
+    if plan.precision is not None:
+        apply_precision(model, mesh, recipe=plan.precision, cast=plan.zero != 3)   # FSDP casts its own gathers
+        recipe, scaler = model.recipe, model.scaler
+        if recipe.loss_scaling:
+            step_fn = model.step_fn(step_fn)
+        applied.append(("precision", model))
+    hyper = optimizer_kwargs(tc)                                              # data parallel / ZeRO, optimizer
     group = mesh.group("dp", "cp")
+    wrapped, optimizer = model, None
     if cfg.n_expert:
         wrapped = ExpertDataParallel(model, mesh)
     elif plan.zero == 3:
-        wrapped = apply_fsdp(model, group)
+        wrapped = apply_fsdp(model, group, **_fsdp_options(plan, recipe))
+        # bf16 under FSDP: the fp32 shards are the masters (no second copy); fp16 still needs the scaler's vote
+        optimizer = optim.make(wrapped.parameters(), recipe if recipe != "fp32" and recipe.loss_scaling else "fp32",
+                               scaler=scaler, vote=mesh, **hyper)
     elif plan.zero in (1, 2):
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, group, stage=plan.zero,
-                                     **optimizer_kwargs(tc))
+        optimizer = ShardedOptimizer(model.parameters(), optim.optimizer_class(recipe, scaler=scaler, vote=mesh),
+                                     group, stage=plan.zero, **hyper)
     elif group.world_size > 1:
         wrapped = apply_dp(model, group, kind="bucket")
     if wrapped is not model:
         applied.append(("data parallel / ZeRO", wrapped))
-    if optimizer is None:                                                             # 7. optimizer
-        optimizer = make_optimizer(wrapped.parameters(), tc)
+    if optimizer is None:
+        optimizer = optim.make(model.parameters(), recipe, scaler=scaler, vote=mesh, **hyper)
     applied.append(("optimizer", optimizer))
     # what reduces the gradients over dp: a wrapper around the model (DDP, FSDP) or the ZeRO-1/2 optimizer
     reducer = wrapped if wrapped is not model else (optimizer if isinstance(optimizer, ShardedOptimizer) else None)
@@ -170,6 +179,13 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
     job = Parallelized(wrapped, optimizer, step_fn, batches, plan, mesh, applied=applied)
     job.expected_bytes = _expected_bytes(job, model, pipe, reducer, b)
     return job
+
+
+def _fsdp_options(plan: ParallelPlan, recipe) -> dict:
+    out = {}
+    if recipe != "fp32":
+        out["compute_dtype"] = recipe.compute_dtype
+    return out
 
 
 def _expected_bytes(job: Parallelized, model, pipe, reducer, b: int) -> dict:

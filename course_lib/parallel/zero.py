@@ -45,6 +45,7 @@ from ..dist.collectives import (all_gather_ring, reduce_scatter_ring, ring_all_g
 from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
 from ..dist.mesh import axis_comm
 from ..memory import alloc_category
+from ..optim.master import kept_master, set_master
 from .dp import DataParallelBucket
 from .fsdp import apply_fsdp
 from .pipeline.stage import PipelineStage
@@ -82,6 +83,12 @@ class _Bucket:
             self.flat = self.layout.pack(self.layout.new(), [p.detach() for p in params])
         # a view: the optimizer's updates land in flat, and so in the model
         self.shard = torch.nn.Parameter(self.layout.shard(self.flat, comm.rank))
+        kept = [kept_master(p) for p in params]     # mixed precision: the exact fp32 values apply_precision kept
+        if any(m is not None for m in kept):
+            with alloc_category("optimizer"):
+                flat32 = self.layout.pack(self.layout.new(torch.float32),
+                                          [m if m is not None else p.detach().float() for p, m in zip(params, kept)])
+                set_master(self.shard, self.layout.shard(flat32, comm.rank).clone())
         self.grad = None        # the bucket's flat gradient: stage 1 keeps it; stage 2 frees it once reduced
         self.arrived = 0        # parameters whose gradient this backward has delivered
 

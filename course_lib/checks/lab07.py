@@ -144,7 +144,8 @@ def check_gradients(cls) -> None:
             raise
         unready = sorted(order["unready"], reverse=True)
         c.expect(not unready, f"backward used layer(s) {unready} before their copies to the device had finished "
-                 f"(each background copy was held back here until backward asked for its layer)", hint="a layer in flight has not arrived: wait for its prefetch "
+                 f"(each background copy was held back here until backward asked for its layer)",
+                 hint="a layer in flight has not arrived: wait for its prefetch "
                  "(self.inflight.pop(layer).result()) before returning its tensors")
         ref = _reference()
         c.expect(got.keys() == ref.keys() and all(g is not None for g in got.values()),

@@ -126,7 +126,8 @@ def check_held_bytes(held_bytes, policy) -> None:
             c.expect(got == held, f"for {cfg.n_head} heads, d_model {cfg.d_model}, seq_len {cfg.seq_len}, mlp_ratio "
                      f"{cfg.mlp_ratio}, dropout {cfg.dropout} you predict {got:,} bytes; the accountant measured "
                      f"{held:,} (off by {got - held:+,})",
-                     hint=known.get(got - held) or "start from block_activation_bytes(cfg, batch_size) and subtract, per token, the two "
+                     hint=known.get(got - held) or "start from block_activation_bytes(cfg, batch_size) and "
+                          "subtract, per token, the two "
                           "LayerNorm outputs (d_model each), GELU's output (mlp_ratio·d_model) — 4 bytes per "
                           "element — and both LayerNorms' mean and 1/std (2 floats each)")
         # backward reruns all of a block's tickets at once, when it first needs GELU's output: work = everything

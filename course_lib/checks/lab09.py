@@ -58,8 +58,9 @@ def _scaler_slip(kw: dict, flags: list, step: int, got: list, want: list, tracke
     if want[step] > before and got[step] == before:       # GradScaler grew, you did not
         now_mine = trackers[step]
         if now_mine is not None and now_mine > interval - 1 and now_mine != 0:
-            return (f"{interval} clean steps in a row: grow here; your growth_tracker is now {now_mine} — "
-                    f"{'reset it to 0 after growing' if now_mine > interval else 'grow when it reaches growth_interval (==), not after it passes'}")
+            fix = ("reset it to 0 after growing" if now_mine > interval else
+                   "grow when it reaches growth_interval (==), not after it passes")
+            return f"{interval} clean steps in a row: grow here; your growth_tracker is now {now_mine} — {fix}"
         if mine is not None and mine != tracker:
             return (f"your growth_tracker was {mine} before this clean step, GradScaler's counter {tracker}: "
                     f"add 1 on every clean step, set it to 0 on overflow and after growing")

@@ -254,7 +254,8 @@ def check_fallback(load_latest) -> None:
             raised = None
         except Exception as e:   # noqa: BLE001 — any error type, but it must name every checkpoint
             raised, returned = str(e), None
-        c.expect(not (isinstance(returned, tuple) and returned[:1] == (9,)), "with every checkpoint corrupt, load_latest loaded the "
+        c.expect(not (isinstance(returned, tuple) and returned[:1] == (9,)), "with every checkpoint corrupt, "
+                 "load_latest loaded the "
                  "staging directory .tmp-step_00000009 (a save that never published)",
                  hint="only directories named exactly step_<8 digits> are checkpoints (re.fullmatch, not search)")
         c.expect(raised is not None, "with every checkpoint corrupt, load_latest returned instead of raising",

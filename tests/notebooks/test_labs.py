@@ -182,3 +182,24 @@ def test_a_solution_with_an_emptied_region_fails_its_checks(tmp_path):
     nb = _execute(read(target), src)
     failed = [i for i in _check_cells(nb) if _errors(nb.cells[i])]
     assert failed and _errors(nb.cells[failed[0]])[0].ename == "CheckFailed"
+
+
+def test_a_demo_cell_turns_a_stub_a_failed_expectation_and_a_crash_into_one_line_each(capsys):
+    """checks.demo never stops Run All: each way a demo can go wrong prints one line, then the checks run."""
+    from course_lib.checks import demo
+    with demo("stub"):
+        raise NotImplementedError()
+    with demo("expectation") as d:
+        d.expect(False, "measured 3, the formula says 4", hint="look at the warm-up")
+    with demo("crash"):
+        [][1]
+    with demo("fine") as d:
+        d.expect(True, "never shown")
+        print("shown")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "(stub: not implemented yet — the checks below say what to write)"
+    assert out[1:4] == ["✘ expectation: measured 3, the formula says 4", "  hint: look at the warm-up",
+                        "  (the checks below name the cause)"]
+    assert out[4:6] == ["✘ crash: your code raised IndexError: list index out of range",
+                        "  (the checks below name the cause)"]
+    assert out[6:] == ["shown"]

@@ -13,6 +13,11 @@ without a traceback: the traceback would go through contextlib and the check's o
 write. A check cell that names an exercise function the learner has not run yet (Run All stops at the first stub)
 says which exercise cell to run instead of showing a bare NameError. A lab module names its exercises with
 `exercises({"fn_name": "Exercise 1 (what it is)"})`.
+
+A lab's demo cell (it runs the learner's code to show what it does, before the checks judge it) goes in
+`with demo("what it shows") as d:` — a stub prints one line and Run All goes on to the check cells, which say what
+to write; a crash or a failed `d.expect(...)` prints one ✘ line and Run All goes on as well, so the learner lands
+on the check whose hint names the cause instead of on a traceback in a cell they did not write.
 """
 from __future__ import annotations
 
@@ -53,6 +58,21 @@ def check(name: str):
         raise CheckFailed(f"✘ {name}: your code raised {type(e).__name__}: {e}") from e
     if not c.done:
         raise CheckFailed(f"✘ {name}: the check ended without a verdict (a bug in the check)")
+
+
+@contextlib.contextmanager
+def demo(name: str):
+    """A demo cell of a lab: never stops Run All. Not implemented yet → one line; the learner's code crashed or a
+    `d.expect` failed → one ✘ line; either way the check cells below run and name the cause."""
+    d = _Check(name)
+    try:
+        yield d
+    except NotImplementedError:
+        print(f"({name}: not implemented yet — the checks below say what to write)", flush=True)
+    except CheckFailed as e:
+        print(f"{e}\n  (the checks below name the cause)", flush=True)
+    except Exception as e:  # noqa: BLE001 — the learner's code crashed: one line, then the checks
+        print(f"✘ {name}: your code raised {type(e).__name__}: {e}\n  (the checks below name the cause)", flush=True)
 
 
 NOT_IMPLEMENTED = "__not_implemented__"   # what a rank returns when the learner's stub raised NotImplementedError
@@ -134,4 +154,4 @@ def _install_in_ipython() -> None:
 
 _install_in_ipython()
 
-__all__ = ["CheckFailed", "check", "run_ranks", "exercises", "name_error_hint", "NOT_IMPLEMENTED"]
+__all__ = ["CheckFailed", "check", "demo", "run_ranks", "exercises", "name_error_hint", "NOT_IMPLEMENTED"]

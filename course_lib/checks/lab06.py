@@ -15,6 +15,7 @@ reorders additions: the tolerance is 1e-12.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -65,8 +66,11 @@ def _f_and_g_worker(ctx, f, g):
         grads = [_rand(B, T, D, seed=100 + k) for k in range(t)]
         want_y = x.detach() if name == "f" else sum(xs)         # f: identity; g: the sum over ranks
         want_grad = sum(grads) if name == "f" else grads[r]     # f: the sum of the gradients; g: identity
-        out[name] = {"dy": (y.detach() - want_y).abs().max().item(),
-                     "dgrad": (x.grad - want_grad).abs().max().item(), "fwd": fwd, "bwd": bwd}
+        dgrad = (x.grad - want_grad).abs().max().item() if x.grad is not None else float("inf")
+        ratio = (x.grad / want_grad).median().item() if x.grad is not None else None
+        out[name] = {"dy": (y.detach() - want_y).abs().max().item(), "dgrad": dgrad, "fwd": fwd, "bwd": bwd,
+                     "ratio": ratio if ratio is not None and abs(ratio - 1) > 1e-9 and
+                     torch.allclose(x.grad, ratio * want_grad, rtol=1e-9, atol=1e-12) else None}
     return out
 
 
@@ -80,9 +84,15 @@ def check_f_and_g(f, g, world_sizes=()) -> None:
                 for name, want in (("f", {"fwd": 0, "bwd": n}), ("g", {"fwd": n, "bwd": 0})):
                     got = r[name]
                     c.expect(got["dy"] < TOL, f"t={t}, rank {rank}: {name}'s forward output is off by {got['dy']:.1e}",
-                             hint="f returns its input unchanged; g returns the sum over the ranks (all-reduce)")
-                    c.expect(got["dgrad"] < TOL, f"t={t}, rank {rank}: {name}'s gradient is off by {got['dgrad']:.1e}",
-                             hint="f's backward all-reduces the incoming gradient; g's passes it through")
+                             hint={"f": "f's forward returns its input unchanged (x.view_as(x)): no communication",
+                                   "g": "g's forward returns the sum over the ranks: all_reduce_ring on a copy of x, "
+                                        "return the copy"}[name])
+                    c.expect(got["dgrad"] < TOL, f"t={t}, rank {rank}: {name}'s gradient is off by {got['dgrad']:.1e}"
+                             + (f" (it is {got['ratio']:g}× the right one)" if got.get("ratio") else ""),
+                             hint={"f": "f's backward all-reduces (sums over the ranks) the incoming gradient: "
+                                        "all_reduce_ring on a copy of grad, return (copy, None)",
+                                   "g": "g's backward passes the incoming gradient through unchanged: return grad, "
+                                        "None"}[name])
                     c.expect({k: got[k] for k in ("fwd", "bwd")} == want,
                              f"t={t}, rank {rank}: {name} sent {got['fwd']:,} B in forward and {got['bwd']:,} B in "
                              f"backward; one ring all-reduce of {B * T * D} float64 sends {n:,} B, in "
@@ -105,15 +115,21 @@ def _row_worker(ctx, RowParallelLinear):
     y_ref = ref(x)
     y_ref.backward(dy)
     layer = RowParallelLinear(ref, comm)
+    params = dict(layer.named_parameters())
+    shape = tuple(params["weight"].shape) if "weight" in params else None
+    bad = torch.tensor([float(shape != (D, 4 * D // t))])
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)        # outside the ledger: every rank stops if any weight is wrong,
+    if bad.item():                                    # before a matmul of the wrong shapes (or a g on some ranks)
+        return {"shape": shape}
     x_r = x.detach().chunk(t, -1)[r].clone().requires_grad_(True)       # this rank's slice of the input
     comm.ledger.reset()
     y = layer(x_r)
     fwd = comm.ledger.bytes_sent()
     y.backward(dy)
     bwd = comm.ledger.bytes_sent() - fwd
-    params = dict(layer.named_parameters())
-    return {"y": (y - y_ref).abs().max().item(), "x": (x_r.grad - x.grad.chunk(t, -1)[r]).abs().max().item(),
-            "names": sorted(params),
+    bias_twice = "bias" in params and (y.detach() - y_ref.detach() - (t - 1) * ref.bias.detach()).abs().max() < TOL
+    return {"y": (y - y_ref).abs().max().item(), "bias_before_g": bool(bias_twice), "names": sorted(params),
+            "x": (x_r.grad - x.grad.chunk(t, -1)[r]).abs().max().item(),
             "weight": (params["weight"].grad - ref.weight.grad.chunk(t, 1)[r]).abs().max().item()
             if "weight" in params and params["weight"].grad is not None else float("inf"),
             "bias": (params["bias"].grad - ref.bias.grad).abs().max().item()
@@ -129,13 +145,23 @@ def check_row_parallel(RowParallelLinear, world_sizes=()) -> None:
                 c.expect(r["shape"] == (D, 4 * D // t), f"t={t}, rank {rank}: weight has shape {r['shape']}, "
                          f"expected {(D, 4 * D // t)} (nn.Linear's layout: out × in/t)",
                          hint="keep linear.weight.chunk(t, dim=1)[rank]: the rows of B = weightᵀ are its columns")
+                if "y" not in r:
+                    continue                  # another rank's weight has the wrong shape: its line comes first
+                c.expect(not r["bias_before_g"], f"t={t}, rank {rank}: the output is nn.Linear's plus (t − 1) × the "
+                         f"bias", hint="the bias was added on every rank before g, so g summed t copies of it: add "
+                                       "it once, after g")
+                c.expect(r["y"] < TOL or r["fwd"] > 0, f"t={t}, rank {rank}: the output differs from nn.Linear's by "
+                         f"{r['y']:.1e} and nothing was sent in forward",
+                         hint="x_r @ W_rᵀ is only this rank's partial sum: g (the all-reduce) adds the ranks' partial "
+                              "sums, then add the bias")
                 for what in ("y", "x", "weight", "bias"):
                     c.expect(r[what] < TOL, f"t={t}, rank {rank}: {'output' if what == 'y' else what + ' gradient'} "
                              f"differs from nn.Linear's by {r[what]:.1e}",
                              hint={"y": "partial = x_r @ W_rᵀ, then g (the sum over ranks), then add the bias once",
                                    "x": "the input gradient is local: autograd gives it if forward is x_r @ W_rᵀ",
                                    "weight": "name the parameters 'weight' and 'bias' (nn.Parameter)",
-                                   "bias": "add the bias after g, whole, on every rank"}[what])
+                                   "bias": "add the whole bias after g, on every rank (a bias split or scaled "
+                                           "before g gets a gradient scaled the same way)"}[what])
                 n = ring_all_reduce_bytes(B * T * D, t, rank, ELEM)
                 c.expect((r["fwd"], r["bwd"]) == (n, 0), f"t={t}, rank {rank}: sent {r['fwd']:,} B in forward and "
                          f"{r['bwd']:,} B in backward; one all-reduce of the (B, T, d) output sends {n:,} B",

@@ -15,6 +15,7 @@ FlopCounterMode; the expected values come from `course_lib.memopt.recompute_plan
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -73,10 +74,16 @@ def check_norms_and_gelu(policy) -> None:
                  f"adds none (the bound is 0)", hint="recompute only aten.native_layer_norm and aten.gelu: every "
                  "matrix multiply's output must stay kept")
         want = _expected_held(CFG)
+        tokens = B * CFG.seq_len
+        kept = {held - want: None, 4 * tokens * CFG.mlp_ratio * CFG.d_model: "GELU's output is still kept: "
+                "answer True for aten.gelu.default too", 4 * tokens * 2 * CFG.d_model + 16 * tokens: "the LayerNorms' "
+                "outputs are still kept: answer True for aten.native_layer_norm.default too",
+                stored - want: "your policy never answered True: func is an OpOverload, not a string — compare it "
+                "with torch.ops.aten.native_layer_norm.default and torch.ops.aten.gelu.default"}
         c.expect(held == want, f"one block keeps {held:,} bytes with your policy; recomputing exactly the two "
                  f"LayerNorms and GELU keeps {want:,} (storing everything: {stored:,})",
-                 hint="func is an OpOverload: compare it with torch.ops.aten.native_layer_norm.default and "
-                      "torch.ops.aten.gelu.default")
+                 hint=kept[held - want] or "recompute exactly aten.native_layer_norm.default and aten.gelu.default "
+                                           "(func is an OpOverload: compare it with those two)")
         c.passed(f"bitwise equal to no recomputation and to torch's selective checkpointing (dropout "
                  f"{CFG.dropout}); keeps {held:,} of {stored:,} bytes per block; 0 extra FLOPs")
 
@@ -106,10 +113,21 @@ def check_held_bytes(held_bytes, policy) -> None:
         for cfg in CONFIGS:
             _, held, _ = _block_step(cfg, lambda b, h: checkpoint(b, h, policy=policy))
             got = held_bytes(cfg, B)
+            tokens, d, r = B * cfg.seq_len, cfg.d_model, cfg.mlp_ratio
+            known = {16 * tokens: "you kept both LayerNorms' mean and 1/std in: they are LayerNorm's outputs too "
+                                  "(2 fp32 per token each), recomputed with it",
+                     8 * tokens: "count the mean and 1/std of BOTH LayerNorms (2 fp32 per token each)",
+                     4 * tokens * (r - 1) * d: f"GELU's output has mlp_ratio·d_model = {r * d} values per token, "
+                                               f"not d_model",
+                     4 * tokens * d: "two LayerNorms: subtract both outputs (d_model per token each)",
+                     4 * tokens * r * d: "GELU's output (mlp_ratio·d_model per token) is recomputed too: subtract it",
+                     -(4 * tokens * (2 + r) * d + 16 * tokens): "the inputs of LayerNorm and GELU stay kept: "
+                                                                 "subtract only what those ops made, once"}
             c.expect(got == held, f"for {cfg.n_head} heads, d_model {cfg.d_model}, seq_len {cfg.seq_len}, mlp_ratio "
                      f"{cfg.mlp_ratio}, dropout {cfg.dropout} you predict {got:,} bytes; the accountant measured "
                      f"{held:,} (off by {got - held:+,})",
-                     hint="start from block_activation_bytes(cfg, batch_size) and subtract, per token, the two "
+                     hint=known.get(got - held) or "start from block_activation_bytes(cfg, batch_size) and "
+                          "subtract, per token, the two "
                           "LayerNorm outputs (d_model each), GELU's output (mlp_ratio·d_model) — 4 bytes per "
                           "element — and both LayerNorms' mean and 1/std (2 floats each)")
         # backward reruns all of a block's tickets at once, when it first needs GELU's output: work = everything
@@ -122,12 +140,13 @@ def check_held_bytes(held_bytes, policy) -> None:
         c.passed(f"exact for {len(CONFIGS)} configs; {CFG.n_layer}-layer model peaks at {peak:,} bytes = formula")
 
 
-def _greedy(saved, budget):
+def _greedy(saved, budget, at_budget=False):
+    """The greedy rule; `at_budget`: the common slip of closing a segment when it would reach the budget."""
     segments, start, total = [], 0, 0
     for i, s in enumerate(saved):
         if s > budget:
             raise ValueError(i)
-        if total + s > budget:
+        if total + s > budget or (at_budget and total + s == budget):
             segments.append((start, i))
             start, total = i, 0
         total += s
@@ -139,18 +158,32 @@ def check_greedy_segments(greedy_segments) -> None:
         chains = [([5, 5, 5, 5, 5, 5], 10), ([3, 9, 2, 2, 7, 1, 1, 8], 10), ([4], 4), ([1, 1, 1], 100),
                   ([6, 1, 6, 1, 6], 7)]
         for saved, budget in chains:
-            got, want = greedy_segments(list(saved), budget), _greedy(saved, budget)
-            c.expect([tuple(s) for s in got] == want, f"for saved bytes {saved} and budget {budget} you made "
-                     f"segments {got}; the greedy rule makes {want}",
-                     hint="walk the blocks; when adding the next block would take the open segment over the "
-                          "budget, close it and start a new one at that block; segments are [start, end)")
+            got, want = [tuple(s) for s in greedy_segments(list(saved), budget)], _greedy(saved, budget)
+            slips = {tuple(_greedy(saved, budget, at_budget=True)): "a segment may hold exactly the budget: close it "
+                     "only when adding the next block would go OVER it (>, not ≥)",
+                     tuple(want[:-1]): "close the segment still open after the last block"}
+            if any(a[1] + 1 == b[0] for a, b in zip(got, got[1:])):
+                slips[tuple(got)] = ("segments are [start, end): end is the first block NOT in the segment, and the "
+                                     "next segment starts at it")
+            c.expect(got == want, f"for saved bytes {saved} and budget {budget} you made segments {got}; the "
+                     f"greedy rule makes {want}",
+                     hint=slips.get(tuple(got)) or "walk the blocks; when adding the next block would take the open "
+                          "segment over the budget, close it and start a new one at that block; segments are "
+                          "[start, end)")
+        saved, budget, block = [5, 2, 2, 12, 2], 6, 3     # the numbers in it are 5, 2, 12 and 6: only 3 names the block
         try:
-            greedy_segments([2, 9, 2], 5)
+            greedy_segments(saved, budget)
             raised = None
         except ValueError as e:
             raised = str(e)
-        c.expect(raised is not None and "1" in raised, f"a block of 9 bytes cannot fit a budget of 5; you should "
-                 f"raise a ValueError naming block 1 (got {'no error' if raised is None else repr(raised)})")
+        c.expect(raised is not None, f"for saved bytes {saved} and budget {budget} block {block} alone keeps more "
+                 f"than the budget; you returned instead of raising", hint="raise ValueError when a block alone "
+                 "keeps more than the budget: no segment can hold it")
+        named = re.findall(r"\d+", raised)
+        c.expect(str(block) in named, f"for saved bytes {saved} and budget {budget} you raised {raised!r}: it "
+                 f"should name block {block} (numbered from 0, as the segments are)",
+                 hint=f"count blocks from 0, as the segments do: this one is block {block}, not {block + 1}"
+                 if str(block + 1) in named else "name the block's index (enumerate's i), not its size")
         c.passed(f"the greedy segments for {len(chains)} chains; an impossible budget is refused: {raised}")
 
 

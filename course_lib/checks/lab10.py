@@ -6,8 +6,9 @@ The lab's format (a small version of `course_lib.resilience.checkpoint`'s):
     root/step_00000003/MANIFEST.json           {"step": 3, "files": {"tensors.safetensors": {"bytes": n,
                                                                                          "sha256": "…"}}}
 
-    check_atomic_write(atomic_write)          the bytes land; fsync(file) → rename → fsync(directory), in that
-                                              order; a failure before the rename leaves the old file and no temp
+    check_atomic_write(atomic_write)          the bytes land; a temporary in the target's directory; fsync(file)
+                                              → rename → fsync(directory), in that order; a failure before the
+                                              rename leaves the old file and no temp
     check_save(save_checkpoint)               a published step directory with the manifest of its files, nothing
                                               staged left over; a full disk during the next save leaves the
                                               previous checkpoint byte for byte and publishes nothing
@@ -16,7 +17,8 @@ The lab's format (a small version of `course_lib.resilience.checkpoint`'s):
                                               each on the newest checkpoint → the previous one is loaded and the
                                               skipped one named with a reason that says what was wrong; all
                                               corrupt → an error naming every checkpoint; a staging directory is
-                                              never taken for a checkpoint
+                                              never taken for a checkpoint, even a complete one; a loader that
+                                              crashes on damage is told which damage and how to handle it
 """
 from __future__ import annotations
 
@@ -77,6 +79,10 @@ def check_atomic_write(atomic_write) -> None:
         c.expect(len(renames) == 1, f"{len(renames)} rename(s) onto {target.name}: expected exactly one",
                  hint="write to a temporary name in the same directory, then os.replace(tmp, path) once")
         i = renames[0]
+        source = Path(calls[i][1])                     # the rename's source: the temporary file
+        c.expect(source.parent.resolve() == target.parent.resolve(), f"the temporary file was {source}, outside "
+                 f"{target.parent}", hint="a rename is atomic only within one file system (and durable with its "
+                                          "directory): create the temporary file in path's own directory")
         c.expect(("fsync", "file") in order[:i], "no fsync of the file before the rename: after a power cut the new "
                  "name could point at bytes that never reached the disk", hint="os.fsync(f.fileno()) after writing, "
                                                                                 "before the rename")
@@ -180,13 +186,30 @@ def _flip(p):
     (p / TENSORS).write_bytes(bytes(blob))
 
 
-CORRUPTIONS = {   # name: (how, what the reason must say)
-    "truncated tensor file": (_truncate, ("truncated",)),
-    "a flipped byte": (_flip, ("sha256",)),
-    "deleted manifest": (lambda p: (p / MANIFEST).unlink(), ("manifest",)),
-    "deleted tensor file": (lambda p: (p / TENSORS).unlink(), ("missing",)),
-    "manifest not JSON": (lambda p: (p / MANIFEST).write_text("{not json"), ("manifest",)),
+CORRUPTIONS = {   # name: (how, what the reason must say, what to do about it)
+    "truncated tensor file": (_truncate, ("truncated",), "compare each file's size with the manifest's 'bytes' "
+                              "first: a shorter file is truncated (say so; its sha256 differs too, but the size "
+                              "says what happened)"),
+    "a flipped byte": (_flip, ("sha256",), "same size, other bytes: compare hashlib.sha256(data).hexdigest() with "
+                       "the manifest's 'sha256' (say so)"),
+    "deleted manifest": (lambda p: (p / MANIFEST).unlink(), ("manifest",), "no MANIFEST.json means the save never "
+                         "finished: catch FileNotFoundError, skip the checkpoint, and say the manifest is missing"),
+    "deleted tensor file": (lambda p: (p / TENSORS).unlink(), ("missing",), "check that every file the manifest "
+                            "lists exists before reading it; skip the checkpoint and say which file is missing"),
+    "manifest not JSON": (lambda p: (p / MANIFEST).write_text("{not json"), ("manifest",), "json.loads raises "
+                          "json.JSONDecodeError (a ValueError) on a damaged manifest: catch it, skip the checkpoint "
+                          "and say the manifest is not valid JSON"),
 }
+
+
+def _load(c, load_latest, root: Path, what: str, hint: str):
+    """load_latest(root); an exception becomes one line naming the damage it met and what to do about it."""
+    try:
+        return load_latest(root)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 — the learner's loader crashed on damage it should have handled
+        c.expect(False, f"{what}, load_latest raised {type(e).__name__}: {e}", hint=hint)
 
 
 def check_fallback(load_latest) -> None:
@@ -194,16 +217,17 @@ def check_fallback(load_latest) -> None:
         base = Path(d) / "base"
         for step in (1, 2, 3):
             _reference_save(base, step, _tensors(step))
-        step, tensors, skipped = load_latest(base)
+        step, tensors, skipped = _load(c, load_latest, base, "on three good checkpoints", "list the step_* "
+                                       "directories newest first, verify the newest, load it")
         c.expect(step == 3 and skipped == [], f"on three good checkpoints load_latest returned step {step}, "
                  f"skipped {skipped}", hint="list the step_* directories, newest first")
         c.expect(all(torch.equal(tensors[k], v) for k, v in _tensors(3).items()), "the tensors of step 3 differ "
                  "from what was saved")
-        for name, (corrupt, words) in CORRUPTIONS.items():
+        for name, (corrupt, words, fix) in CORRUPTIONS.items():
             root = Path(d) / name.replace(" ", "_")
             shutil.copytree(base, root)
             corrupt(root / "step_00000003")
-            step, tensors, skipped = load_latest(root)
+            step, tensors, skipped = _load(c, load_latest, root, f"with a {name} in step_00000003", fix)
             c.expect(step == 2, f"with a {name} in step_00000003, load_latest returned step {step}; the previous "
                      f"good checkpoint is step 2", hint="verify every file against the manifest (exists, size, "
                                                         "sha256) before trusting a checkpoint; skip it if any fails")
@@ -213,21 +237,27 @@ def check_fallback(load_latest) -> None:
                      f"expected one entry for step_00000003", hint="skipped is a list of (directory name, reason)")
             reason = str(skipped[0][1]).lower()
             c.expect(any(w in reason for w in words), f"with a {name}, the reason given was {skipped[0][1]!r}: it "
-                     f"should say {' or '.join(repr(w) for w in words)}",
-                     hint="a message someone can act on: say which file and what was wrong with it")
-        (Path(d) / "base" / ".tmp-step_00000009").mkdir()
-        (Path(d) / "base" / ".tmp-step_00000009" / TENSORS).write_bytes(b"half written")
-        step, _, _ = load_latest(base)
-        c.expect(step == 3, f"with a staging directory .tmp-step_00000009 beside them, load_latest returned step "
-                 f"{step}", hint="only directories named step_<8 digits> are checkpoints")
+                     f"should say {' or '.join(repr(w) for w in words)}", hint=fix)
+        # a save that died after its manifest, before the rename: complete, verifiable, and still not published
+        os.rename(_reference_save(base, 9, _tensors(9)), base / ".tmp-step_00000009")
+        step, _, _ = _load(c, load_latest, base, "with a staging directory .tmp-step_00000009 beside them",
+                           "only directories named exactly step_<8 digits> are checkpoints")
+        c.expect(step == 3, f"with a complete staging directory .tmp-step_00000009 beside them (a save that died "
+                 f"before its rename), load_latest returned step {step}",
+                 hint="only directories named exactly step_<8 digits> are checkpoints (re.fullmatch, not search): a "
+                      "staging directory was never published")
         for sub, corrupt in zip(("step_00000003", "step_00000002", "step_00000001"), (_flip, _truncate,
                                                                                     lambda p: (p / MANIFEST).unlink())):
             corrupt(base / sub)
         try:
-            load_latest(base)
+            returned = load_latest(base)
             raised = None
         except Exception as e:   # noqa: BLE001 — any error type, but it must name every checkpoint
-            raised = str(e)
+            raised, returned = str(e), None
+        c.expect(not (isinstance(returned, tuple) and returned[:1] == (9,)), "with every checkpoint corrupt, "
+                 "load_latest loaded the "
+                 "staging directory .tmp-step_00000009 (a save that never published)",
+                 hint="only directories named exactly step_<8 digits> are checkpoints (re.fullmatch, not search)")
         c.expect(raised is not None, "with every checkpoint corrupt, load_latest returned instead of raising",
                  hint="raise an error listing each checkpoint and why it was skipped")
         missing = [s for s in ("step_00000003", "step_00000002", "step_00000001") if s not in raised]

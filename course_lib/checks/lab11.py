@@ -1,7 +1,9 @@
 """Checks for Lab 11 (a consistent-hash ring as the owner map of the distributed shard cache).
 
   * check_ring_moves: removing a node moves exactly that node's keys; adding one moves keys only to the newcomer;
-    with virtual nodes no node owns more than twice its fair share (formulas §10.4, Karger et al. STOC 1997);
+    with virtual nodes no node owns more than twice its fair share (formulas §10.4, Karger et al. STOC 1997); a
+    ring built alike in another process (another hash seed: each torchrun rank has its own) gives every key the
+    same owner;
   * check_ring_cache: the ring drives a distributed cache of whole shards in front of a real S3 server (moto on
     loopback): store bytes and hit rates equal the analytic values on three access patterns — a cold epoch (every
     shard from the store once, 0% hits), a warm epoch (0 bytes, 100%), and an epoch after a node leaves (exactly
@@ -9,6 +11,8 @@
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
 import tempfile
 
 from ..data import load_tokens
@@ -20,27 +24,87 @@ from . import check
 KEYS = [f"shards/shard-{i:05d}.bin" for i in range(2000)]
 
 
+def _salted(obj) -> bool:
+    """Whether Python's hash() of obj depends on the process's hash seed (str and bytes, and tuples holding them)."""
+    if isinstance(obj, (str, bytes)):
+        return True
+    return isinstance(obj, (tuple, frozenset)) and any(_salted(x) for x in obj)
+
+
+@contextlib.contextmanager
+def another_hash_seed():
+    """Inside this block hash() answers as in another process: Python salts the hash of str and bytes per process
+    (PYTHONHASHSEED), and under torchrun every rank is its own process. (A real second process would have to import
+    torch and the learner's notebook; swapping builtins.hash sees the same thing for the learner's hash() calls.)"""
+    real = builtins.hash
+    builtins.hash = lambda obj: real(("another process", obj)) if _salted(obj) else real(obj)
+    try:
+        yield
+    finally:
+        builtins.hash = real
+
+
+def _owners(c, ring, keys, what: str) -> dict:
+    """{key: ring.owner(key)}; an IndexError (a key past the last point) becomes the wrap-around hint."""
+    out = {}
+    for k in keys:
+        try:
+            out[k] = ring.owner(k)
+        except IndexError as e:
+            c.expect(False, f"{what}: owner({k!r}) raised IndexError ({e}): its hash lies after the last point on "
+                     f"the ring", hint="the ring wraps around: past the last point, a key belongs to the FIRST point "
+                                       "(index % number of points)")
+    return out
+
+
+def _points_of(ring, count: int):
+    """The ring's point list if it keeps one of `count` integers (any attribute name), else None."""
+    for v in vars(ring).values():
+        if isinstance(v, (list, tuple)) and len(v) == count and all(isinstance(h, int) for h in v):
+            return list(v)
+    return None
+
+
 def check_ring_moves(ring_cls, vnodes: int = 64) -> None:
     with check("ring_moves") as c:
         for n in (3, 4, 5):
             ring, smaller, larger = ring_cls(range(n), vnodes), ring_cls(range(n - 1), vnodes), ring_cls(range(n + 1), vnodes)
-            owner = {k: ring.owner(k) for k in KEYS}
-            c.expect(set(owner.values()) <= set(range(n)), f"owners {sorted(set(owner.values()))} are not nodes of "
-                     f"range({n})", hint="owner(key) must return one of the nodes you were given")
-            moved = [k for k in KEYS if smaller.owner(k) != owner[k]]
+            owner = _owners(c, ring, KEYS, f"{n} nodes")
+            c.expect(set(owner.values()) <= set(range(n)), f"owners {sorted(set(owner.values()), key=repr)[:6]} are "
+                     f"not nodes of range({n})", hint="owner(key) must return one of the nodes you were given, as "
+                     "given (the node itself, not a string or a point)")
+            counts = [list(owner.values()).count(r) for r in range(n)]
+            c.expect(max(counts) < len(KEYS), f"with {n} nodes every key went to node {counts.index(max(counts))}",
+                     hint="each point's hash must depend on its node and its index: stable_hash(node, v)")
+            after = _owners(c, smaller, KEYS, f"{n - 1} nodes")
+            moved = [k for k in KEYS if after[k] != owner[k]]
             lost = [k for k in KEYS if owner[k] == n - 1]
+            points = _points_of(ring, n * vnodes)
+            unsorted = ("your ring's points are not sorted: bisect finds the first point after a hash only in a sorted "
+                        "list") if points is not None and points != sorted(points) else None
             c.expect(sorted(moved) == sorted(lost), f"with node {n - 1} gone, {len(moved)} keys changed owner; only "
-                     f"its {len(lost)} keys should", hint="a key's owner is the first ring point clockwise of its "
-                     "hash: removing a node's points only hands its arcs to the next points")
-            gained = [k for k in KEYS if larger.owner(k) != owner[k]]
-            c.expect(all(larger.owner(k) == n for k in gained), "adding a node moved keys between old nodes",
-                     hint="keys may only move to the newcomer")
-            share = max(list(owner.values()).count(r) for r in range(n)) / len(KEYS)
+                     f"its {len(lost)} keys should",
+                     hint=unsorted or "a key's owner is the first ring point clockwise of its hash (bisect on the "
+                          "sorted points), not a hash mod the number of nodes: removing a node's points only hands "
+                          "its arcs to the next points")
+            grown = _owners(c, larger, KEYS, f"{n + 1} nodes")
+            gained = [k for k in KEYS if grown[k] != owner[k]]
+            c.expect(all(grown[k] == n for k in gained), "adding a node moved keys between old nodes",
+                     hint=unsorted or "keys may only move to the newcomer: its points take over parts of other "
+                                      "nodes' arcs, nothing else changes")
+            share = max(counts) / len(KEYS)
             c.expect(share <= 2 / n, f"with {vnodes} virtual nodes one of {n} nodes owns {share:.0%} of the keys "
-                     f"(fair share {1 / n:.0%})", hint="give every node `vnodes` points on the ring")
-            c.expect(ring_cls(range(n), vnodes).owner(KEYS[0]) == owner[KEYS[0]], "two rings built alike disagree",
-                     hint="hash with course_lib.io.cache.stable_hash, not Python's per-process hash()")
-        c.passed(f"only the departed node's keys move (n = 3, 4, 5); largest share ≤ {share:.0%} for {n} nodes")
+                     f"(fair share {1 / n:.0%})", hint="give every node `vnodes` points on the ring: "
+                                                       "stable_hash(node, v) for v in range(vnodes)")
+            with another_hash_seed():                       # the same ring, built as another rank would build it
+                elsewhere = _owners(c, ring_cls(range(n), vnodes), KEYS, "in another process")
+            differ = sum(elsewhere[k] != owner[k] for k in KEYS)
+            c.expect(differ == 0, f"a ring built alike in another process (another hash seed, as each rank has "
+                     f"under torchrun) gives {differ} of {len(KEYS)} keys another owner",
+                     hint="Python's hash() of a string differs per process: hash with "
+                          "course_lib.io.cache.stable_hash (K.stable_hash) for both the points and the keys")
+        c.passed(f"only the departed node's keys move (n = 3, 4, 5); largest share ≤ {share:.0%} for {n} nodes; the "
+                 f"same owners in another process")
 
 
 def _cached_epochs(ring_before, ring_after, index, blobs, store):

@@ -93,9 +93,33 @@ def test_every_check_fails_on_the_unmodified_lab_with_a_readable_message(path):
             f"{rel(path)} cell {i}: a failed check must show its ✘ line and hint only, not a traceback:\n" \
             + "\n".join(shown)
     others = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and i not in checks and _errors(c)]
+    if _run_all_reaches_the_checks(path):
+        _assert_run_all_ends_in_one_line(nb, path, checks, others)
     for i in others:   # before the checks only the stubs may raise
         assert _errors(nb.cells[i])[0].ename == "NotImplementedError", \
             f"{rel(path)} cell {i} raised {_errors(nb.cells[i])[0].ename} in the unmodified lab"
+
+
+def _run_all_reaches_the_checks(path) -> bool:
+    """Labs 05–11 guard every cell that runs the learner's code before the checks (`course_lib.checks.demo`)."""
+    return int(re.match(r"lab(\d\d)_", path.name).group(1)) >= 5
+
+
+def _assert_run_all_ends_in_one_line(nb, path, checks, others):
+    """Run All stops at the first cell that raises: in an unmodified lab that must be the first check cell, showing
+    its one ✘ line ("… not implemented yet") and hint — no traceback, no stub's NotImplementedError, nothing on
+    stderr before it."""
+    assert not others, f"{rel(path)}: cell(s) {others} raise before any check in the unmodified lab (Run All stops " \
+        f"there): {[_errors(nb.cells[i])[0].ename for i in others]} — guard them with course_lib.checks.demo"
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and _errors(c))
+    assert first == checks[0], f"{rel(path)}: Run All stops at cell {first}, not at the first check (cell {checks[0]})"
+    shown = _shown(_errors(nb.cells[first])[0])
+    assert "not implemented yet" in shown[0] and len(shown) <= 3, \
+        f"{rel(path)}: Run All should end in the one ✘ line saying what is not implemented yet:\n" + "\n".join(shown)
+    for i, cell in enumerate(nb.cells[:first]):
+        err = [o.text for o in cell.get("outputs", []) if o.output_type == "stream" and o.name == "stderr"]
+        assert not any("Traceback" in t or "Error" in t for t in err), \
+            f"{rel(path)} cell {i} writes an error to stderr before the checks:\n" + "".join(err)[-2000:]
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=rel)
@@ -158,3 +182,24 @@ def test_a_solution_with_an_emptied_region_fails_its_checks(tmp_path):
     nb = _execute(read(target), src)
     failed = [i for i in _check_cells(nb) if _errors(nb.cells[i])]
     assert failed and _errors(nb.cells[failed[0]])[0].ename == "CheckFailed"
+
+
+def test_a_demo_cell_turns_a_stub_a_failed_expectation_and_a_crash_into_one_line_each(capsys):
+    """checks.demo never stops Run All: each way a demo can go wrong prints one line, then the checks run."""
+    from course_lib.checks import demo
+    with demo("stub"):
+        raise NotImplementedError()
+    with demo("expectation") as d:
+        d.expect(False, "measured 3, the formula says 4", hint="look at the warm-up")
+    with demo("crash"):
+        [][1]
+    with demo("fine") as d:
+        d.expect(True, "never shown")
+        print("shown")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "(stub: not implemented yet — the checks below say what to write)"
+    assert out[1:4] == ["✘ expectation: measured 3, the formula says 4", "  hint: look at the warm-up",
+                        "  (the checks below name the cause)"]
+    assert out[4:6] == ["✘ crash: your code raised IndexError: list index out of range",
+                        "  (the checks below name the cause)"]
+    assert out[6:] == ["shown"]

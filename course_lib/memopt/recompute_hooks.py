@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..memory import _active, register_category, saved_tensors_hooks_over, untracked
+from ..memory import _active, _Outer, register_category, saved_tensors_hooks_over, untracked
 from .recompute_policies import recompute_all
 
 aten = torch.ops.aten
@@ -110,19 +110,20 @@ class Segment:
         self.sources: dict[int, torch.Tensor] = {}    # sid -> kept tensor the rerun hands back instead of recomputing
         self.packed: list = []                # inputs, passed through the enclosing saved-tensor hooks
         self.packed_sources: dict = {}        # sid -> a source, passed through them (so a tracker counts it)
-        self._finalizers, self._stack, self.last, self.done = [], None, -1, False
+        self._finalizers, self._stack, self._outer, self._recorder = [], None, None, None
+        self.last, self.done = -1, False
 
     # ---------------------------------------------------------------------------------------- forward
     def __enter__(self):
         if _open.get() is not None:
             raise CheckpointError(f"{self.name} starts while {_open.get().name} is still open: segments cannot nest; "
                                   f"checkpoint the outer segment only")
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._outer = outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if outer is not None:           # so a memory tracker counts the kept inputs as activations
             self.packed = [outer[0](a) for a in self.inputs if isinstance(a, torch.Tensor)]
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(saved_tensors_hooks_over(self._pack, _unpack))
-        self._stack.enter_context(_Recorder(self))
+        self._recorder = self._stack.enter_context(_Recorder(self))
         self._token = _open.set(self)
         return self
 
@@ -131,11 +132,8 @@ class Segment:
         self._stack.close()
         for f in self._finalizers:          # storages outlive the segment (its output): stop watching them
             f.detach()
-        self._finalizers, self.live = [], {}
-        if exc[0] is None:
-            self._plan()
-        else:
-            self._release()
+        self._finalizers, self.live, self._outer, self._recorder = [], {}, None, None
+        self._plan() if exc[0] is None else self._release()
         return False
 
     def _record(self, func, args, kwargs):
@@ -159,8 +157,7 @@ class Segment:
             sid = self.live.get(_key(flat[j]))
             if sid is None:
                 raise CheckpointError(f"{self.name}: {func} changes a tensor made outside the segment in place; "
-                                      f"recomputing it would change it again. Do the in-place update outside the "
-                                      f"checkpointed segment")
+                                      f"recomputing would change it again: do it outside the checkpointed segment")
             self.writer[sid] = k
             writes.append((sid, ("arg", j)))
             if recompute:
@@ -190,10 +187,19 @@ class Segment:
     def _pack(self, t: torch.Tensor):
         sid = self.live.get(_key(t))
         if sid is None or not self.ops[self.writer[sid]].recompute:
-            return t                                   # an input, a weight, or what a kept op made: kept
+            return self._keep(t)                       # an input, a weight, or what a kept op made: kept
         self.dropped[sid] = self.writer[sid]
         self.tickets[sid] = self.tickets.get(sid, 0) + 1
         return Ticket(self, sid, t)
+
+    def _keep(self, t: torch.Tensor):
+        """A kept tensor, passed to the saved-tensor hooks around (a tracker, an offload): their ops go unrecorded."""
+        if self._outer is None:
+            return t
+        self._recorder.paused = True
+        packed = _Outer(self._outer[1], self._outer[0](t))
+        self._recorder.paused = False
+        return packed
 
     def _plan(self) -> None:
         """End of forward: which ops the rerun must execute (the tickets' ancestors, back to what is kept)."""
@@ -224,17 +230,15 @@ class Segment:
         random = [self.ops[k].func for k in sorted(run) if self.ops[k].random]
         if random and not self.preserve_rng_state:
             self._release()
-            raise CheckpointError(f"{self.name} recomputes the random op {random[0]} but preserve_rng_state=False: "
-                                  f"the rerun would draw different numbers (a different dropout mask) and the "
-                                  f"gradients would silently differ. Keep preserve_rng_state=True")
+            raise CheckpointError(f"{self.name} recomputes the random op {random[0]} but preserve_rng_state=False: the "
+                                  f"rerun would draw a different dropout mask and the gradients would silently differ. "
+                                  f"Keep preserve_rng_state=True")
         self.last = max(run)
         for k in run:
             self.ops[k].run = True
         for sid, w in self.dropped.items():
-            op = self.ops[w]
-            op.collect.extend((s, where) for s, where in op.writes if s == sid)
-        self.sources = {sid: self.held[sid] for sid in sources}
-        self.held = {}
+            self.ops[w].collect.extend((s, where) for s, where in self.ops[w].writes if s == sid)
+        self.sources, self.held = {sid: self.held[sid] for sid in sources}, {}
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if outer is not None:       # what the rerun hands back is kept for backward: activations
             self.packed_sources = {sid: outer[0](t) for sid, t in self.sources.items()}
@@ -245,9 +249,8 @@ class Segment:
     # ---------------------------------------------------------------------------------------- backward
     def _get(self, ticket: Ticket) -> torch.Tensor:
         if ticket.taken:
-            raise CheckpointError(f"a tensor {self.name} recomputed is unpacked a second time (a second backward "
-                                  f"through the same graph, retain_graph=True): the rerun hands each tensor back once, "
-                                  f"as torch.utils.checkpoint does; run the forward again for each backward")
+            raise CheckpointError(f"a tensor {self.name} recomputed is unpacked twice (retain_graph=True): the rerun "
+                                  f"hands each back once, as torch's checkpoint does; run forward for each backward")
         if not self.done:
             self._rerun()
         size, stride, offset = ticket.view
@@ -255,9 +258,7 @@ class Segment:
             t = self.recomputed[ticket.sid].as_strided(size, stride, offset)
         if ticket.notes:
             t.__dict__.update(ticket.notes)
-        # handed back: from now on autograd's own reference decides how long it lives (a node may drop it before
-        # the rest of its backward, as AddmmBackward does with its input once the weight gradient is made)
-        ticket.taken = True
+        ticket.taken = True         # autograd's reference alone now decides how long it lives (as in torch's)
         self._ticket_gone(ticket.sid)
         return t
 
@@ -286,7 +287,7 @@ class Segment:
         for tracker in _active.get():
             tracker.track(list(self.recomputed.values()), RECOMPUTED)
         self.done = True
-        self.inputs, self.sources, self.packed, self.packed_sources, self.ops = (), {}, [], {}, []
+        self._release()
 
     def _ticket_gone(self, sid: int) -> None:
         """One ticket of `sid` handed back or dropped; the recomputed tensor goes with the last."""
@@ -336,11 +337,11 @@ def _set_rng(rng) -> None:
 class _Recorder(TorchDispatchMode):
     def __init__(self, segment: Segment):
         super().__init__()
-        self.segment = segment
+        self.segment, self.paused = segment, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.is_view or func in _VIEW_LIKE:
+        if func.is_view or func in _VIEW_LIKE or self.paused:
             return func(*args, **kwargs)
         return self.segment._record(func, args, kwargs)
 

@@ -98,14 +98,15 @@ def test_recomputed_tp_gradients_are_bitwise_those_without_recomputation_and_the
 
 @pytest.mark.parametrize("world_size", [4])
 def test_the_dp_ranks_mean_loss_is_the_reference_and_ddp_sends_the_same_bytes(world_size):
+    MESH = "dp×tp=2×2"
     ref_loss, _ = _reference()
     ranks = _results(world_size)
     for policy in POLICIES:
         for tp_rank in (0, 1):
-            pair = [r["dp×tp=2×2", policy]["loss"] for r in ranks if r["dp×tp=2×2", None]["coords"]["tp"] == tp_rank]
+            pair = [r[MESH, policy]["loss"] for r in ranks if r[MESH, None]["coords"]["tp"] == tp_rank]
             assert abs(sum(pair) / 2 - ref_loss) < TOL, policy
         for r in ranks:
-            assert r["dp×tp=2×2", policy]["dp"] == r["dp×tp=2×2", None]["dp"] > 0, policy
+            assert r[MESH, policy]["dp"] == r[MESH, None]["dp"] > 0, policy
 
 
 @pytest.mark.parametrize("world_size, label", CASES)

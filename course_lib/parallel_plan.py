@@ -191,6 +191,10 @@ class ParallelPlan:
         if self.pp > 1 and cfg.tie_weights:
             raise PlanError("a pipeline needs untied embeddings: with tie_weights=True the LM head on the last stage "
                             "shares its weight with the embedding on stage 0; use a config with tie_weights=False")
+        if self.recompute is not None and self.zero == 3:
+            raise PlanError(f"recompute={self.recompute!r} with zero=3: FSDP's gather hooks would fire again inside "
+                            f"the replay of each block; use zero=1 or 2 with recomputation, or no recomputation with "
+                            f"zero=3")
         if self.offload_activations and self.recompute is not None:
             raise PlanError(f"offload_activations with recompute={self.recompute!r}: recomputation replays the blocks "
                             f"in backward, when their saved tensors are already gone, so there is nothing left to "

@@ -22,6 +22,7 @@ CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
     (ParallelPlan(dp=2, offload_optimizer="host"), 2, 4, r"needs ZeRO-1 or 2 over dp=2"),
     (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="fp16"), 2, 4, r"use precision='bf16'"),
     (ParallelPlan(dp=2, recompute="full", offload_activations=True), 2, 4, r"nothing left to offload"),
+    (ParallelPlan(dp=2, zero=3, recompute="selective"), 2, 4, r"FSDP's gather hooks would fire again"),
     (ParallelPlan(dp=2, zero=3, offload_activations=True), 2, 4, r"FSDP's gathered weights"),
     (ParallelPlan(tp=2, sequence_parallel=True, offload_activations=True), 2, 4, r"own saved-tensor hooks"),
     (ParallelPlan(dp=2, cp=2, tp=2), 8, 4, r"with tp=2 the TP layers"),

@@ -69,17 +69,20 @@ class Parallelized:
     def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """The part of `full` (a parameter of the single-process model named `name`) that this rank holds: each
         technique that split it (TP's rows or columns, then FSDP's dim-0 shard) cuts it as it cut the parameter."""
-        for _, obj in self.applied:
+        seen = set()
+        for _, obj in self.applied:           # a technique that changed a model in place appears once per entry
             cut = getattr(obj, "local_shard", None)
-            if cut is not None:
+            if cut is not None and id(obj) not in seen:
+                seen.add(id(obj))
                 full = cut(name, full)
         return full
 
     def close(self) -> None:
         """Stop what the techniques started (communication threads, offload files), in reverse order."""
+        seen = set()
         for _, obj in reversed(self.applied):
-            closer = getattr(type(obj), "__exit__", None)
-            if closer is not None:
+            if getattr(type(obj), "__exit__", None) is not None and id(obj) not in seen:
+                seen.add(id(obj))
                 obj.__exit__(None, None, None)
 
     def __enter__(self):

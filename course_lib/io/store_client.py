@@ -109,6 +109,19 @@ class S3Access:
                         "s3", endpoint_url=self.endpoint_url, region_name=REGION, config=cfg, **CREDENTIALS)
         return self._client
 
+    def close(self) -> None:
+        """Close the boto3 client's connection pool (its sockets to the store). Idempotent; a later call to
+        `client` builds a new one."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> "S3Access":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def filesystem(self, **kw):
         """An s3fs filesystem on the same endpoint (what fsspec's caches sit on)."""
         import s3fs

@@ -285,10 +285,16 @@ class MemoryTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _active.reset(self._token)
+            self._token = None
             self._saved_hooks.__exit__(*exc)
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+
+    def close(self) -> None:
+        """Stop tracking (what leaving the `with` block does), for a tracker entered by hand; idempotent."""
+        if self._token is not None:
+            self.__exit__(None, None, None)
 
 
 class _ThreadView(TorchDispatchMode):

@@ -168,10 +168,11 @@ class FSDP(nn.Module):
             u.reshard()
         self.root = self.units[-1] if self.units[-1].module is None else None
         self._order = [u for u in self.units if u.module is not None]    # forward order
+        self._hooks = []
         for i, u in enumerate(self._order):
             nxt = self._order[i + 1] if i + 1 < len(self._order) else None
-            u.module.register_forward_pre_hook(lambda mod, args, u=u, nxt=nxt: self._pre_forward(u, nxt))
-            u.module.register_forward_hook(lambda mod, args, out, u=u: u.reshard())
+            pre = u.module.register_forward_pre_hook(lambda mod, args, u=u, nxt=nxt: self._pre_forward(u, nxt))
+            self._hooks += [pre, u.module.register_forward_hook(lambda mod, args, out, u=u: u.reshard())]
         self._bwd_order = ([self.root] if self.root else []) + self._order[::-1]
         self._bwd_seen = set()
 
@@ -197,6 +198,20 @@ class FSDP(nn.Module):
                 return self.module(*args, **kwargs)
             finally:
                 self.reshard()
+
+    def close(self) -> None:
+        """Free what is gathered and take FSDP's hooks off the units (the wrapped module keeps this rank's shards):
+        the course's one protocol for a wrapper, also `with FSDP(...) as model:`. Idempotent."""
+        self.reshard()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def __enter__(self) -> "FSDP":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def reshard(self) -> None:
         """Free every gathered parameter (after forward, after backward, after an error)."""

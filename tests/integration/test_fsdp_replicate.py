@@ -82,6 +82,8 @@ def _worker(ctx, tc):
                      "mem": r["memory"]["after_step"][-1], "tensors": len(list(f.parameters())),
                      "sent": sent,
                      "R_u": f.replicated_numel, "P": f.padded_numel}
+        f.close()                                                        # FSDP's hooks come off the blocks
+        out[rule]["hooks_left"] = sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks)
     return out
 
 
@@ -104,6 +106,7 @@ def test_fsdp_with_replicated_params_equals_reference_with_exact_bytes_and_memor
             assert all(torch.equal(r[rule]["replicated"][k], v) for k, v in r0["replicated"].items()), rule
         for rank, rr in enumerate(res):
             x, got = _expected(rule, n, rank), rr[rule]
+            assert got["hooks_left"] == 0, rule
             assert (got["P"], got["R_u"]) == (x["P"], x["R_u"]), rule
             mem, sent = got["mem"], got["sent"]
             assert mem["parameters"] == mem["gradients"] == E * (x["P"] // n + x["R"]), (rule, rank, mem)

@@ -126,3 +126,45 @@ def test_replicate_rejects_unknown_names_and_bad_thresholds_before_any_message()
         FSDP(model, None, min_shard_numel=-1)
     with pytest.raises(ValueError, match="collection of parameter names"):
         FSDP(model, None, replicate="ln_f.weight")
+
+
+# ------------------------------------------------------------------------------------------ against FSDP2
+def _fsdp2_worker(ctx, tc):
+    """FSDP2 with the norms and biases as `ignored_params`, their gradients averaged by hand (the replication FSDP2
+    leaves to DDP), beside ours with replicate=norms_and_biases: every parameter and gradient after one backward."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    data = data_parallel_batches(ctx.comm, ODD.seq_len, tc.batch_size)
+    theirs = GPT(ODD, seed=tc.seed).double()
+    ignored = {p for p in theirs.parameters() if p.dim() <= 1}
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=ignored)
+    fully_shard(theirs, mesh=mesh, ignored_params=ignored)
+    m = GPT(ODD, seed=tc.seed).double()
+    ours = FSDP(m, ctx.comm, units=m.blocks, replicate=norms_and_biases)
+    x, y = data.get(0)
+    theirs(x, y)[1].backward()
+    for p in (p for p in theirs.parameters() if p in ignored):         # one order on every rank (a set has none)
+        dist.all_reduce(p.grad)
+        p.grad.div_(ctx.world_size)
+    ours(x, y)[1].backward()
+    out = []
+    for (name, p), (_, q) in zip(theirs.named_parameters(), m.named_parameters()):
+        value, grad = (p, p.grad) if p in ignored else (p.to_local(), p.grad.to_local())
+        out.append((name, p in ignored, tuple(value.shape) == tuple(q.shape),
+                    (q.detach() - value.detach()).abs().max().item() if q.numel() else 0.0,
+                    (q.grad - grad).abs().max().item() if q.numel() else 0.0))
+    return out
+
+
+def test_replicated_params_match_fsdp2_ignored_params_plus_an_all_reduce_gradient_by_gradient():
+    tc = TrainConfig(steps=1, batch_size=4, eps=EPS)
+    res = launch(_fsdp2_worker, 2, tc, timeout=180)
+    for rows in res:
+        assert len(rows) == len(FULL)
+        assert {name for name, ignored, *_ in rows if ignored} == {n for n in FULL if _chosen("norms+biases", n, FULL[n])}
+        for name, _, same_shape, d_value, d_grad in rows:
+            assert same_shape and d_value == 0.0, name               # the same rows (or whole tensor) of the same values
+            assert d_grad < TOL, (name, d_grad)                      # the same gradient after the reduction

@@ -29,6 +29,11 @@ Autograd machinery: a custom Function turns the local shards into the unit's ful
 backward: reduce-scatter), and saved-tensor hooks store a weight that autograd keeps for backward as a reference
 (unit, shape, offset) instead of the tensor, so that freeing after forward really frees and backward re-gathers.
 
+Parameters chosen by `replicate=` / `min_shard_numel=` (e.g. norms and biases) are not sharded: they stay whole
+and identical on every rank, and their gradients are all-reduced once per unit per backward
+(`course_lib.parallel.fsdp_replicate`). P then counts the sharded parameters only; R the replicated ones add
+2(N−1)/N·eR bytes sent (ring all-reduce) and e·R + e·R + 8R (+4 per tensor) of model states, in full on every rank.
+
 Checked against (P = Σ over units of N·L: the trainable parameters with each one padded to N·c rows; e bytes per
 element of the compute dtype; docs/formulas.md §2):
     bytes each rank sends per step   forward all-gather (N−1)/N·eP + backward all-gather (N−1)/N·eP
@@ -43,11 +48,12 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import reduce_scatter_ring
-from ..dist.comm import wait_all
-from ..dist.flat import FlatBuffer, broadcast_tensors
+from ..dist.flat import broadcast_tensors
 from ..dist.mesh import axis_comm
-from ..memory import alloc_category, saved_tensors_hooks_over
+from ..memory import saved_tensors_hooks_over
+from .fsdp_replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
+from .fsdp_replicate import norms_and_biases  # noqa: F401  (re-exported: `FSDP(..., replicate=norms_and_biases)`)
+from .fsdp_shard import ShardedGroup, _Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
 
 
 def default_units(module: nn.Module) -> list:
@@ -61,166 +67,17 @@ def default_units(module: nn.Module) -> list:
     return units
 
 
-def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, end) of the dim-0 rows rank `rank` keeps: chunks of ⌈rows/N⌉ (FSDP2's `torch.chunk` layout)."""
-    c = -(-rows // world_size)
-    return min(rank * c, rows), min((rank + 1) * c, rows)
-
-
-def _set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
-    module.__dict__.pop(attr, None)
-    module._parameters[attr] = param
-
-
-def _set_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
-    """A plain tensor in a parameter's place while the unit computes (nn.Module refuses it through setattr)."""
-    module._parameters.pop(attr, None)
-    object.__setattr__(module, attr, tensor)
-
-
-class ShardedGroup:
-    """One unit's parameters of one kind (trainable or frozen), each sharded along dim 0 over the ranks."""
-
-    def __init__(self, fsdp, unit, params, places, requires_grad: bool):
-        comm = fsdp.comm
-        N, r = comm.world_size, comm.rank
-        self.fsdp, self.unit, self.places = fsdp, unit, places   # places[i]: [(module, attr, name), ...] of param i
-        self.shapes = [p.shape if p.dim() else torch.Size([1]) for p in params]
-        self.row_numel = [max(1, s.numel() // s[0]) if s[0] else 0 for s in self.shapes]
-        self.chunk_rows = [-(-s[0] // N) for s in self.shapes]
-        self.bounds = [shard_rows(s[0], N, r) for s in self.shapes]
-        # the all-gather input: every parameter's chunk padded to c rows, end to end (equal size L on every rank)
-        self.input_layout = FlatBuffer(shapes=[c * rn for c, rn in zip(self.chunk_rows, self.row_numel)],
-                                       dtype=params[0].dtype)
-        self.L = self.input_layout.numel
-        self.full_layout = FlatBuffer(params)           # the unit's full parameters, unpadded, one after another
-        with alloc_category("parameters"):
-            self.local = self.input_layout.new(params[0].dtype)      # this rank's shards (fp32 master weights)
-        self.shards = []
-        for i, p in enumerate(params):
-            lo, hi = self.bounds[i]
-            mine = self.input_layout.view(self.local, i)[:(hi - lo) * self.row_numel[i]]
-            mine.copy_(p.detach().reshape(self.shapes[i])[lo:hi].reshape(-1))
-            shard = nn.Parameter(mine.view(hi - lo, *self.shapes[i][1:]), requires_grad=requires_grad)
-            self.shards.append(shard)
-        self.full, self.staging, self.handles = None, None, []    # gathered parameters; all-gather output; messages
-
-    @property
-    def padded(self) -> int:
-        """N·L: what one all-gather assembles (this group's part of P)."""
-        return self.L * self.fsdp.comm.world_size
-
-    @property
-    def local_numel(self) -> int:
-        """Ψ_r: real (unpadded) elements this rank keeps."""
-        return sum(s.numel() for s in self.shards)
-
-    def gather(self, tag: str) -> None:
-        """Post the all-gather of this group (returns at once; `wait` completes it)."""
-        if self.full is not None or self.staging is not None:
-            return
-        comm, dtype = self.fsdp.comm, self.fsdp.compute_dtype or self.local.dtype
-        with alloc_category("comm"):
-            self.staging = torch.empty(self.padded, dtype=dtype)
-        p, r = comm.world_size, comm.rank
-        chunks = self.staging.chunk(p)
-        chunks[r].copy_(self.local)                # with a compute dtype the cast happens here, before communication
-        for k in range(1, p):                      # direct exchange: my input to every rank, theirs into place;
-            self.handles.append(comm.isend(chunks[r], (r + k) % p, tag=tag))      # the ring's bytes, all posted
-            self.handles.append(comm.irecv(chunks[(r - k) % p], (r - k) % p, tag=tag))   # at once (overlappable)
-
-    def wait(self) -> None:
-        """Complete the all-gather and copy the output out into the unit's full parameters."""
-        if self.staging is None:
-            return
-        wait_all(self.handles)
-        self.handles = []
-        self.fsdp.comm.release()                   # finished transfers would otherwise keep the buffer alive
-        with alloc_category("parameters"):
-            self.full = self.full_layout.new(self.staging.dtype)
-        for i, full in enumerate(self.full_layout.views(self.full)):
-            self._copy_rows(full.view(self.shapes[i][0], -1), self._slots(self.staging, i), into_rows=True)
-        self.staging = None
-        self.fsdp._gathered[self.full.untyped_storage()._cdata] = self
-
-    def free(self) -> None:
-        self.wait()
-        if self.full is not None:
-            del self.fsdp._gathered[self.full.untyped_storage()._cdata]
-            self.full = None
-
-    def views(self) -> list:
-        return self.full_layout.views(self.full)
-
-    def reduce_scatter(self, grads) -> list:
-        """The unit's full gradients (None if unused) → this rank's averaged shard gradients, in the master dtype."""
-        dtype = self.fsdp.compute_dtype or self.local.dtype
-        with alloc_category("comm"):
-            send = torch.zeros(self.padded, dtype=dtype)
-        for i, g in enumerate(grads):
-            if g is not None:                      # rank r's rows into rank r's slot, padding left zero
-                self._copy_rows(g.reshape(self.shapes[i][0], -1), self._slots(send, i), into_rows=False)
-        self.unit.free()                           # its backward is done: drop the gathered parameters first
-        mine = reduce_scatter_ring(self.fsdp.comm, send, "avg", tag="fsdp_rs", inplace=True)
-        with alloc_category("gradients"):
-            mine = mine.to(self.local.dtype, copy=True)
-        out = []
-        for i, shard in enumerate(self.shards):
-            out.append(self.input_layout.view(mine, i)[:shard.numel()].view(shard.shape))
-        return out
-
-    def _slots(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's slot of every rank in an all-gather output `buf` (N·L), as one (N, c, row numel) view:
-        [r] is rank r's c rows (shard_rows: the first ones hold c real rows, the last ones fewer or none)."""
-        c, rn, o = self.chunk_rows[i], self.row_numel[i], self.input_layout.offsets[i]
-        return buf.view(-1, self.L)[:, o:o + c * rn].unflatten(1, (c, rn))
-
-    @staticmethod
-    def _copy_rows(rows: torch.Tensor, slots: torch.Tensor, *, into_rows: bool) -> None:
-        """Copy a parameter's d0 rows (d0, row numel) into every rank's slot (N, c, row numel), or back: the ranks
-        that hold c real rows in one copy, the one that holds the rest in another (not one copy per rank)."""
-        c = slots.shape[1]
-        k, rem = divmod(rows.shape[0], c) if c else (0, 0)
-        pairs = [(rows[:k * c].view(k, c, rows.shape[1]), slots[:k])] + ([(rows[k * c:], slots[k, :rem])] if rem else [])
-        for held, slot in pairs:
-            held.copy_(slot) if into_rows else slot.copy_(held)
-
-    def set_full(self, views) -> None:
-        for view, places in zip(views, self.places):
-            for module, attr, _ in places:         # a tied weight: the same view in every place it is used
-                _set_tensor(module, attr, view)
-
-    def set_shards(self) -> None:
-        for shard, places in zip(self.shards, self.places):
-            for module, attr, _ in places:
-                _set_param(module, attr, shard)
-
-
-class _Unshard(torch.autograd.Function):
-    """forward: a group's local shards → the unit's full parameters (all-gather + copy-out), one view per parameter.
-    backward: the gradients of those views → each shard's gradient (reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, group, *shards):
-        group.gather("fsdp_fwd_ag")
-        group.wait()
-        ctx.group = group
-        ctx.set_materialize_grads(False)
-        return tuple(group.views())
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *ctx.group.reduce_scatter(grads))
-
-
 class _Unit:
     """A module whose parameters are gathered and freed together (the root unit has module None)."""
 
-    def __init__(self, fsdp, module, params, places):
+    def __init__(self, fsdp, module, params, places, replicated=frozenset()):
         self.module = module
-        self.groups = [ShardedGroup(fsdp, self, [p for p in params if p.requires_grad == rg],
-                                    [pl for p, pl in zip(params, places) if p.requires_grad == rg], rg)
-                       for rg in (True, False) if any(p.requires_grad == rg for p in params)]
+        self.groups = []                             # sharded trainable, sharded frozen, replicated ...
+        for kind in (ShardedGroup, ReplicatedGroup):
+            for rg in (True, False):
+                mine = [i for i, p in enumerate(params) if p.requires_grad == rg and (p in replicated) == kind.replicated]
+                if mine:
+                    self.groups.append(kind(fsdp, self, [params[i] for i in mine], [places[i] for i in mine], rg))
 
     def gather(self, tag: str) -> None:
         for g in self.groups:
@@ -236,7 +93,7 @@ class _Unit:
 
     def unshard_into_module(self) -> None:
         for g in self.groups:
-            g.set_full(_Unshard.apply(g, *g.shards))
+            g.set_full((_Replicate if g.replicated else _Unshard).apply(g, *g.shards))
 
     def reshard(self) -> None:
         for g in self.groups:
@@ -263,13 +120,21 @@ class FSDP(nn.Module):
     prefetch       post the next unit's all-gather before the current unit computes (forward and backward).
     sync_module_states  broadcast rank 0's parameters at wrap time (else each rank shards its own copy, which
                    must then be identical, e.g. built from the same seed).
+    replicate      parameters left whole on every rank, their gradients all-reduced instead of reduce-scattered:
+                   a predicate (name, param) -> bool (e.g. `norms_and_biases`) or a collection of names as in
+                   `module.named_parameters()`. Default None: everything sharded.
+    min_shard_numel  also replicate every parameter with fewer elements than this (its all-gather's latency
+                   costs more than the (N−1)/N of it that sharding saves).
     Frozen parameters are sharded as well (gathered, never reduced). Outside forward and backward the wrapped
-    module's parameters ARE this rank's shards; `full_state_dict()` gathers them back.
+    module's parameters ARE this rank's shards (and the replicated parameters themselves); `full_state_dict()`
+    gathers them back.
     """
 
     def __init__(self, module: nn.Module, comm, *, units=None, compute_dtype: torch.dtype | None = None,
-                 prefetch: bool = True, sync_module_states: bool = True):
+                 prefetch: bool = True, sync_module_states: bool = True, replicate=None,
+                 min_shard_numel: int | None = None):
         super().__init__()
+        rule = replication_rule(replicate, min_shard_numel)
         self.module, self.comm = module, comm
         self.compute_dtype, self.prefetch = compute_dtype, prefetch
         self._state_dict_keys = list(module.state_dict().keys())
@@ -286,6 +151,10 @@ class FSDP(nn.Module):
                     places.setdefault(p, []).append((m, attr, f"{name}.{attr}" if name else attr))
         if not places:
             raise ValueError("FSDP: the module has no parameters to shard")
+        replicated = set()                           # a tied weight is replicated if any of its names is chosen
+        if rule is not None:
+            check_names(rule, places)
+            replicated = {p for p, pl in places.items() if any(rule(name, p) for _, _, name in pl)}
         if sync_module_states:                       # every rank starts from rank 0's values
             broadcast_tensors(comm, list(places), 0, tag="fsdp_init")
         members = [[] for _ in range(len(units) + 1)]   # the last list is the root
@@ -293,16 +162,17 @@ class FSDP(nn.Module):
             owners = {owner.get(m) for m, _, _ in pl}
             members[owners.pop() if len(owners) == 1 and None not in owners else -1].append(p)
         self._gathered = {}                          # storage key of a gathered buffer -> its ShardedGroup
-        self.units = [_Unit(self, m, members[i], [places[p] for p in members[i]])
+        self.units = [_Unit(self, m, members[i], [places[p] for p in members[i]], replicated)
                       for i, m in enumerate(units + [None]) if members[i]]
         for u in self.units:                         # the module's parameters are this rank's shards from now on
             u.reshard()
         self.root = self.units[-1] if self.units[-1].module is None else None
         self._order = [u for u in self.units if u.module is not None]    # forward order
+        self._hooks = []
         for i, u in enumerate(self._order):
             nxt = self._order[i + 1] if i + 1 < len(self._order) else None
-            u.module.register_forward_pre_hook(lambda mod, args, u=u, nxt=nxt: self._pre_forward(u, nxt))
-            u.module.register_forward_hook(lambda mod, args, out, u=u: u.reshard())
+            pre = u.module.register_forward_pre_hook(lambda mod, args, u=u, nxt=nxt: self._pre_forward(u, nxt))
+            self._hooks += [pre, u.module.register_forward_hook(lambda mod, args, out, u=u: u.reshard())]
         self._bwd_order = ([self.root] if self.root else []) + self._order[::-1]
         self._bwd_seen = set()
 
@@ -328,6 +198,20 @@ class FSDP(nn.Module):
                 return self.module(*args, **kwargs)
             finally:
                 self.reshard()
+
+    def close(self) -> None:
+        """Free what is gathered and take FSDP's hooks off the units (the wrapped module keeps this rank's shards):
+        the course's one protocol for a wrapper, also `with FSDP(...) as model:`. Idempotent."""
+        self.reshard()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def __enter__(self) -> "FSDP":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def reshard(self) -> None:
         """Free every gathered parameter (after forward, after backward, after an error)."""
@@ -359,16 +243,25 @@ class FSDP(nn.Module):
         return x.group.full.as_strided(x.size, x.stride, x.offset)
 
     # ---------------------------------------------------------------- sizes and the full state dict
+    def _trainable(self, replicated: bool) -> list:
+        return [g for u in self.units for g in u.groups if g.replicated == replicated and g.shards[0].requires_grad]
+
     @property
     def padded_numel(self) -> int:
-        """P: the trainable parameters (a tied weight once), each padded to a multiple of N rows: what the
+        """P: the sharded trainable parameters (a tied weight once), each padded to a multiple of N rows: what the
         all-gathers and the reduce-scatter move."""
-        return sum(g.padded for u in self.units for g in u.groups if g.shards[0].requires_grad)
+        return sum(g.padded for g in self._trainable(False))
+
+    @property
+    def replicated_numel(self) -> list:
+        """[R_u]: the replicated trainable elements of each unit that has any (one all-reduce each per backward)."""
+        return [g.numel for g in self._trainable(True)]
 
     @property
     def local_numel(self) -> int:
-        """Ψ_r: the trainable elements this rank keeps (what its optimizer steps)."""
-        return sum(g.local_numel for u in self.units for g in u.groups if g.shards[0].requires_grad)
+        """Ψ_r: the trainable elements this rank keeps (what its optimizer steps): its shards and every replicated
+        parameter."""
+        return sum(g.local_numel for g in self._trainable(False) + self._trainable(True))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
@@ -392,7 +285,9 @@ class FSDP(nn.Module):
 
 
 def apply_fsdp(model: nn.Module, mesh_or_comm, *, units=None, **options) -> FSDP:
-    """ZeRO-3 / FSDP over the dp axis; units default to the model's blocks when it has them (the course GPT)."""
+    """ZeRO-3 / FSDP over the dp axis; units default to the model's blocks when it has them (the course GPT).
+    Options go to `FSDP`: e.g. `replicate=norms_and_biases` or `min_shard_numel=1024` leave those parameters
+    replicated."""
     if units is None and hasattr(model, "blocks"):
         units = model.blocks
     return FSDP(model, axis_comm(mesh_or_comm, "dp"), units=units, **options)

@@ -33,6 +33,7 @@ import safetensors.torch
 import torch
 
 from ..dist.launch import LaunchError, LaunchTimeout, launch
+from ..files import atomic_write
 from ..memory import now
 from ..train import Probe
 from .checkpoint import _fill, snapshot
@@ -53,9 +54,8 @@ class HostMemory:
     def write(self, rank: int, kind: str, step: int, blob: bytes) -> None:
         d = self._dir(rank)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{kind}_{step:08d}.tmp"
-        tmp.write_bytes(blob)
-        os.replace(tmp, d / f"{kind}_{step:08d}.bin")     # a half-written copy is never visible (no fsync: RAM)
+        # a half-written copy is never visible; no fsync: the copies live in RAM, which a crash loses anyway
+        atomic_write(d / f"{kind}_{step:08d}.bin", blob, durable=False)
 
     def read(self, rank: int, kind: str, step: int) -> bytes:
         return (self._dir(rank) / f"{kind}_{step:08d}.bin").read_bytes()

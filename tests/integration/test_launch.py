@@ -286,3 +286,21 @@ def test_spawn_refuses_a_function_defined_in_main():
         launch(local, 2, start_method="spawn")
     with pytest.raises(ValueError, match="start_method"):
         launch(_identity, 2, start_method="forkserver")
+
+
+def _imported(ctx, name):
+    return name in sys.modules
+
+
+def test_preloaded_modules_are_imported_before_the_fork_and_dist_names_none_above_it(monkeypatch, no_leaks):
+    """`preload_in_ranks` names a module for the caller to import before forking, so every rank finds it already
+    imported; dist itself preloads only torch's own lazily imported module (no course layer above it)."""
+    import course_lib.dist.launch as L
+    monkeypatch.setattr(L, "_PRELOAD", list(L._PRELOAD))
+    assert not any(name.startswith("course_lib") for name in L._PRELOAD)
+    name = "xml.dom.minidom"                      # a stdlib module nothing here imports on its own
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    L.preload_in_ranks(name)
+    assert launch(_imported, 2, name, timeout=60) == [True, True]
+    with pytest.raises(ValueError, match="module names"):
+        L.preload_in_ranks("")

@@ -1,186 +1,21 @@
-"""Exact memory accounting on CPU: live bytes by category × placement, peak, timeline, and a simulated accelerator.
-
-There is no CPU memory-stats API in PyTorch, RSS does not fall after frees and tracemalloc does not see tensor
-storage. What *is* exact is to watch every storage as it is created: a `TorchDispatchMode` sees the output of every
-op, and a weakref finalizer on the output's storage fires when it is freed. Every storage gets two labels:
-
-    category   what the bytes are for (what holds them):
-        parameters   registered with `track`/`watch` (numel × element size, exactly)
-        gradients    relabelled by a post-accumulate-grad hook on each parameter
-        optimizer    relabelled by the optimizer's step post-hook (AdamW: exp_avg + exp_avg_sq = 2 × params, plus a
-                     4-byte `step` tensor per parameter tensor)
-        activations  relabelled while autograd holds them for backward (`saved_tensors_hooks`)
-        comm         allocated under `alloc_category("comm")` (communication buffers)
-        other        everything else: temporaries, buffers, inputs, logits
-      Later techniques add their own with `register_category` (stashed weights, recomputed activations, snapshots).
-    placement  where the bytes live: "device" (the accelerator), "host" (CPU memory) or "disk" (files). On this CPU
-               box all three are host RAM or files; the label is what offload code moves between.
-
-Labels come from context variables (`alloc_category`, `placed`), so they are per thread: a communication thread
-that allocates under `alloc_category("comm")` does not relabel what the main thread allocates meanwhile. A dispatch
-mode is per thread too; `carry_tracking(fn)` runs `fn` in another thread under the trackers of the caller.
-
-Time is `time.perf_counter()` — the clock the traffic ledger uses — so a memory timeline and a per-rank ledger can
-be drawn on one time axis (`MemoryReport.t0`, `plots.plot_memory(..., t0=...)`).
-
-`SimulatedAccelerator(capacity)` raises `SimulatedOutOfMemoryError` (naming the largest categories) when the
-*device* bytes exceed the capacity: notebooks fit models into it with ZeRO, offload and recomputation. It is a model
-of a device memory limit, not a measurement of one.
+"""The memory tracker: every storage counted from its creation (a TorchDispatchMode sees each op's outputs) to
+its free (a weakref finalizer on the storage), by category × placement; and the simulated accelerator, a tracker
+with a capacity. The method and its limits are described in `course_lib.memory`.
 """
+
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import re
 import threading
-import time
 import weakref
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ["parameters", "gradients", "optimizer", "activations", "comm", "other"]   # open: register_category
-CATEGORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
-                   "activations": "#C44E52", "comm": "#8172B3", "other": "#BBBBBB"}
-PLACEMENTS = ("device", "host", "disk")
-
-_category: contextvars.ContextVar = contextvars.ContextVar("course_memory_category", default="other")
-_placement: contextvars.ContextVar = contextvars.ContextVar("course_memory_placement", default="device")
-_active: contextvars.ContextVar = contextvars.ContextVar("course_memory_trackers", default=())
-_paused: contextvars.ContextVar = contextvars.ContextVar("course_memory_paused", default=False)
-
-now = time.perf_counter          # the one clock of the course: memory timelines and ledger events
-
-
-def register_category(name: str, color: str = "#999999") -> str:
-    """Add a memory category (idempotent), e.g. `register_category("stashed weights")`."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a category is a non-empty string, got {name!r}")
-    if name not in CATEGORIES:
-        CATEGORIES.append(name)
-        CATEGORY_COLORS[name] = color
-    return name
-
-
-def _check_category(name: str) -> None:
-    if name not in CATEGORIES:
-        raise ValueError(f"unknown memory category {name!r}; use one of {CATEGORIES} "
-                         f"(or add one with course_lib.memory.register_category)")
-
-
-def _check_placement(name: str) -> None:
-    if name not in PLACEMENTS:
-        raise ValueError(f"unknown placement {name!r}; use one of {PLACEMENTS}")
-
-
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar, value):
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-def alloc_category(name: str):
-    """Label every storage allocated inside the block, in this thread, as `name`."""
-    _check_category(name)
-    return _setting(_category, name)
-
-
-def placed(placement: str):
-    """Every storage allocated inside the block, in this thread, lives at `placement` ('device', 'host', 'disk')."""
-    _check_placement(placement)
-    return _setting(_placement, placement)
-
-
-def untracked():
-    """Storage allocated inside the block, in this thread, is not counted: for a measurement's own bookkeeping
-    (copies a probe keeps), which is not part of what is measured."""
-    return _setting(_paused, True)
-
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(size: "int | float | str") -> int:
-    """'8 MiB' / '1.5GB' / 1024 -> bytes."""
-    if isinstance(size, (int, float)) and not isinstance(size, bool):
-        return int(size)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgG]?i?[bB])?\s*", str(size))
-    if not m:
-        raise ValueError(f"cannot read {size!r} as a size; write e.g. 8388608, '8 MiB' or '1.5 GB'")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-class SimulatedOutOfMemoryError(RuntimeError):
-    """The tracked device bytes exceeded a simulated accelerator's capacity."""
-
-
-@dataclass
-class MemoryReport:
-    """A tracker's numbers, picklable (ranks return it). The top-level fields are the *device* placement."""
-    peak: int
-    peak_by_category: dict          # the device split at the moment of the device peak
-    max_by_category: dict           # each category's own maximum on the device over the run
-    current_by_category: dict
-    timeline: list = field(repr=False, default_factory=list)   # [(perf_counter seconds, {category: device bytes})]
-    marks: list = field(repr=False, default_factory=list)      # [(perf_counter seconds, label)]
-    t0: float = 0.0                                            # when the tracker started (perf_counter)
-    placements: dict = field(repr=False, default_factory=dict)  # placement -> {"peak", "current", "timeline"}
-
-    def table(self) -> str:
-        rows = [f"{'category':<12} {'at peak':>12} {'own max':>12}"]
-        for c in self.max_by_category:
-            if self.max_by_category[c] or c in CATEGORIES[:6]:
-                rows.append(f"{c:<12} {fmt_bytes(self.peak_by_category.get(c, 0)):>12} "
-                            f"{fmt_bytes(self.max_by_category[c]):>12}")
-        rows.append(f"{'peak total':<12} {fmt_bytes(self.peak):>12}")
-        return "\n".join(rows)
-
-    def at(self, placement: str) -> dict:
-        """{'peak': bytes, 'current': {category: bytes}, 'timeline': [...]} of one placement."""
-        _check_placement(placement)
-        if placement == "device":
-            return {"peak": self.peak, "current": self.current_by_category, "timeline": self.timeline}
-        return self.placements.get(placement, {"peak": 0, "current": {}, "timeline": []})
-
-
-class _Outer(NamedTuple):      # a tensor handed on to the saved-tensor hooks that were active around ours
-    unpack: object
-    packed: object
-
-
-@contextlib.contextmanager
-def saved_tensors_hooks_over(pack, unpack):
-    """`torch.autograd.graph.saved_tensors_hooks(pack, unpack)` that keeps the enclosing pair working.
-
-    Saved-tensor hooks nest by replacement: only the innermost pair runs. Here, when `pack(t)` returns a tensor, the
-    enclosing pack hook (a MemoryTracker labelling activations, say) gets that tensor; on the way back the enclosing
-    unpack runs first, then `unpack`. When `pack` returns anything else (a note, a handle), the enclosing pair is
-    not involved: that object is what autograd keeps.
-    """
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-    def pack_(t):
-        x = pack(t)
-        return _Outer(outer[1], outer[0](x)) if outer is not None and isinstance(x, torch.Tensor) else x
-
-    def unpack_(x):
-        return unpack(x.unpack(x.packed) if isinstance(x, _Outer) else x)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack_, unpack_):
-        yield
+from .labels import (CATEGORIES, PLACEMENTS, _active, _category, _check_category, _check_placement, _paused,
+                     _placement, fmt_bytes, now, parse_bytes)
+from .report import MemoryReport, SimulatedOutOfMemoryError
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -450,10 +285,16 @@ class MemoryTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _active.reset(self._token)
+            self._token = None
             self._saved_hooks.__exit__(*exc)
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+
+    def close(self) -> None:
+        """Stop tracking (what leaving the `with` block does), for a tracker entered by hand; idempotent."""
+        if self._token is not None:
+            self.__exit__(None, None, None)
 
 
 class _ThreadView(TorchDispatchMode):
@@ -467,12 +308,6 @@ class _ThreadView(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.tracker._outputs(out)
         return out
-
-
-def active_trackers() -> tuple:
-    """The trackers active in this thread, outermost first: for code that counts what the dispatcher cannot see
-    (`add_external` for a file) or labels what it did not allocate itself (`track` on an autograd gradient)."""
-    return _active.get()
 
 
 def carry_tracking(fn):
@@ -535,10 +370,3 @@ class SimulatedAccelerator:
             return True
         except SimulatedOutOfMemoryError:
             return False
-
-
-def tensor_bytes(tensors) -> int:
-    """numel × element size, summed over tensors (the closed form for 'parameters')."""
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -185,9 +185,14 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
 
 
 def _fsdp_options(plan: ParallelPlan, recipe) -> dict:
+    from .parallel.fsdp import norms_and_biases
     out = {}
     if recipe != "fp32":
         out["compute_dtype"] = recipe.compute_dtype
+    if plan.fsdp_replicate == "norms+biases":
+        out["replicate"] = norms_and_biases
+    elif plan.fsdp_replicate is not None:
+        out["min_shard_numel"] = plan.fsdp_replicate
     return out
 
 

@@ -7,3 +7,7 @@
     tensor   Megatron 1D, sequence parallelism, 2D / 2.5D / 3D grids (notebook 06)
     compose  apply_<technique>(model, mesh, ...) and the order in which techniques compose
 """
+from ..dist.launch import preload_in_ranks
+
+# ranks import the techniques inside their workers: warm them in the caller once, so forked ranks inherit them
+preload_in_ranks("course_lib.parallel.compose")

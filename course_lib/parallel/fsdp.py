@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ..dist.flat import broadcast_tensors
 from ..dist.mesh import axis_comm
 from ..memory import saved_tensors_hooks_over
@@ -161,6 +162,7 @@ class FSDP(nn.Module):
         for p, pl in places.items():
             owners = {owner.get(m) for m, _, _ in pl}
             members[owners.pop() if len(owners) == 1 and None not in owners else -1].append(p)
+        self._replicated_names = {name for p in replicated for _, _, name in places[p]}
         self._gathered = {}                          # storage key of a gathered buffer -> its ShardedGroup
         self.units = [_Unit(self, m, members[i], [places[p] for p in members[i]], replicated)
                       for i, m in enumerate(units + [None]) if members[i]]
@@ -262,6 +264,28 @@ class FSDP(nn.Module):
         """Ψ_r: the trainable elements this rank keeps (what its optimizer steps): its shards and every replicated
         parameter."""
         return sum(g.local_numel for g in self._trainable(False) + self._trainable(True))
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `full` (the single-process model's parameter `name`), as it holds that parameter:
+        whole if replicated, else its dim-0 rows (`shard_rows`, FSDP2's chunk layout)."""
+        if name in self._replicated_names:
+            return full
+        start, end = shard_rows(full.shape[0], self.comm.world_size, self.comm.rank)
+        return full[start:end]
+
+    def expected_bytes_sent(self, rank: int | None = None) -> int:
+        """Bytes `rank` sends per step over dp: for every sharded group a ring all-gather in forward, another in
+        backward and a ring reduce-scatter of its padded elements, in the compute dtype (docs/formulas.md §2);
+        for every replicated group one ring all-reduce of its gradients."""
+        rank, n = self.comm.rank if rank is None else rank, self.comm.world_size
+        out = 0
+        for g in self._trainable(False):
+            e = (self.compute_dtype or g.shards[0].dtype).itemsize
+            out += 2 * ring_all_gather_bytes(g.padded, n, rank, e) + ring_reduce_scatter_bytes(g.padded, n, rank, e)
+        for g in self._trainable(True):
+            e = (self.compute_dtype or g.shards[0].dtype).itemsize
+            out += ring_all_reduce_bytes(g.numel, n, rank, e)
+        return out
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:

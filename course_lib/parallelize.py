@@ -220,7 +220,8 @@ def _expected_bytes(job: Parallelized, model, pipe, reducer, b: int) -> dict:
     if plan.cp > 1:
         out["cp"] = cfg.n_layer * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
     if reducer is not None and hasattr(reducer, "expected_bytes_sent"):
-        out[mesh.group("dp", "cp").name] = reducer.expected_bytes_sent()
+        per = M if getattr(reducer, "reduces_per_microbatch", False) else 1      # FSDP: every micro-batch
+        out[mesh.group("dp", "cp").name] = per * reducer.expected_bytes_sent()
     return out
 
 

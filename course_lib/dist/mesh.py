@@ -139,8 +139,16 @@ class Mesh:
             groups = [sorted(self.rank_of(**{**c, **dict(zip(key, v))})
                              for v in itertools.product(*(range(self.sizes[a]) for a in key)))
                       for c in self._fixed(*key)]
-            same = [a for a in AXES if self.groups(a) == groups]      # cp = 1: dp × cp is the dp group itself
-            self._products[key] = self._comms[same[0]] if same else self._make("×".join(key), groups)
+            # dp × cp with cp = 1 IS the dp group (its traffic stays 'dp'); with dp = 1 it has cp's ranks but
+            # carries other traffic (the gradients), so it keeps its own name in the ledger — on cp's process group
+            name = "×".join(key)
+            same = [a for a in AXES if self.groups(a) == groups]
+            if all(self.sizes[a] == 1 for a in key[1:]):
+                self._products[key] = self._comms[key[0]]
+            elif same:
+                self._products[key] = self._comms[same[0]].renamed(name)    # the same ranks: no new group
+            else:
+                self._products[key] = self._make(name, groups)
         return self._products[key]
 
     def group_of(self, axis: str, rank: int | None = None) -> list[int]:

@@ -273,10 +273,14 @@ class FSDP(nn.Module):
         start, end = shard_rows(full.shape[0], self.comm.world_size, self.comm.rank)
         return full[start:end]
 
+    # FSDP gathers for every forward and backward and reduce-scatters after each: under gradient accumulation
+    # (or a pipeline's micro-batches) every micro-batch pays its bytes again — there is no `no_sync` to hold them
+    reduces_per_microbatch = True
+
     def expected_bytes_sent(self, rank: int | None = None) -> int:
-        """Bytes `rank` sends per step over dp: for every sharded group a ring all-gather in forward, another in
-        backward and a ring reduce-scatter of its padded elements, in the compute dtype (docs/formulas.md §2);
-        for every replicated group one ring all-reduce of its gradients."""
+        """Bytes `rank` sends per forward + backward over dp: for every sharded group a ring all-gather in forward,
+        another in backward and a ring reduce-scatter of its padded elements, in the compute dtype
+        (docs/formulas.md §2); for every replicated group one ring all-reduce of its gradients."""
         rank, n = self.comm.rank if rank is None else rank, self.comm.world_size
         out = 0
         for g in self._trainable(False):

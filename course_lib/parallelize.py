@@ -62,7 +62,7 @@ class Parallelized:
     def named_parameters(self):
         """This rank's parameters under the single-process model's names (what it holds of each)."""
         inner = self.model
-        while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        while isinstance(getattr(inner, "module", None), torch.nn.Module) and inner.module is not inner:
             inner = inner.module
         return inner.named_parameters()
 

@@ -17,7 +17,7 @@ show it (`show_source`) and measure it.
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """
-from ._env import EnvironmentProblem, check_environment, check_python
+from ._env import EnvironmentProblem, KnobError, check_environment, check_knobs, check_python
 
 check_python()
 
@@ -37,4 +37,5 @@ def show_source(obj, *, title: str | None = None):
         print(f"# --- {title or getattr(obj, '__qualname__', obj)} ---\n{src}")
 
 
-__all__ = ["EnvironmentProblem", "check_environment", "check_python", "show_source", "COURSE_KERNEL"]
+__all__ = ["EnvironmentProblem", "KnobError", "check_environment", "check_knobs", "check_python", "show_source",
+           "COURSE_KERNEL"]

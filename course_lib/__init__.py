@@ -17,7 +17,7 @@ show it (`show_source`) and measure it.
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """
-from ._env import EnvironmentProblem, check_environment, check_python
+from ._env import EnvironmentProblem, KnobError, check_environment, check_knobs, check_python
 
 check_python()
 
@@ -25,10 +25,52 @@ __version__ = "0.1.0"
 COURSE_KERNEL = "llm-systems-course"
 
 
-def show_source(obj, *, title: str | None = None):
-    """Render the real source of `obj` (so prose cannot drift from what runs)."""
+def source_of(obj, *, lines=None, only=None) -> str:
+    """The source `show_source` renders: all of `obj`, or the part that teaches.
+
+    only:  for a class, the method names to show (a str or a list): the class line and docstring, then those
+           methods; a comment names the ones left out.
+    lines: (first, last), 1-based lines of the object's source to keep; a comment marks what was cut.
+    """
     import inspect
+    import textwrap
+    if only is not None:
+        if not inspect.isclass(obj):
+            raise TypeError(f"show_source(only=...) needs a class, got {obj!r}")
+        names = [only] if isinstance(only, str) else list(only)
+        missing = [n for n in names if n not in vars(obj)]
+        if missing:
+            raise ValueError(f"{obj.__qualname__} defines no {', '.join(missing)}; it defines "
+                             f"{', '.join(n for n, v in vars(obj).items() if inspect.isfunction(v))}")
+        head = inspect.getsource(obj).splitlines()
+        doc = inspect.getdoc(obj)
+        shown = [head[0]] + ([textwrap.indent(f'"""{doc}"""', "    ")] if doc else [])
+        for n in names:
+            member = vars(obj)[n]
+            member = getattr(member, "fget", None) or getattr(member, "__func__", member)
+            shown += ["", textwrap.indent(textwrap.dedent(inspect.getsource(member)).rstrip(), "    ")]
+        rest = [n for n, v in vars(obj).items() if inspect.isfunction(v) and n not in names]
+        if rest:
+            shown += ["", f"    # … and {', '.join(rest)}"]
+        return "\n".join(shown) + "\n"
     src = inspect.getsource(obj)
+    if lines is None:
+        return src
+    first, last = lines
+    all_lines = src.splitlines()
+    if not 1 <= first <= last <= len(all_lines):
+        raise ValueError(f"lines={lines!r}: the source of {getattr(obj, '__qualname__', obj)} has lines 1 to "
+                         f"{len(all_lines)}")
+    cut = all_lines[first - 1:last]
+    before = [f"# … {first - 1} line(s) above"] if first > 1 else []
+    after = [f"# … {len(all_lines) - last} line(s) below"] if last < len(all_lines) else []
+    return "\n".join(before + cut + after) + "\n"
+
+
+def show_source(obj, *, title: str | None = None, lines=None, only=None):
+    """Render the real source of `obj` (so prose cannot drift from what runs); `only`/`lines` pick the part that
+    teaches (see `source_of`)."""
+    src = source_of(obj, lines=lines, only=only)
     try:
         from IPython.display import Code, display
         get_ipython  # noqa: F821  (defined only inside IPython)
@@ -37,4 +79,5 @@ def show_source(obj, *, title: str | None = None):
         print(f"# --- {title or getattr(obj, '__qualname__', obj)} ---\n{src}")
 
 
-__all__ = ["EnvironmentProblem", "check_environment", "check_python", "show_source", "COURSE_KERNEL"]
+__all__ = ["EnvironmentProblem", "KnobError", "check_environment", "check_knobs", "check_python", "show_source",
+           "source_of", "COURSE_KERNEL"]

@@ -73,3 +73,53 @@ def environment_info(verbose: bool = False, required=("torch", "numpy", "matplot
         dev = "CUDA available" if info["cuda"] else "CPU only (ranks use gloo)"
         print(f"environment OK: Python {info['python']}, torch {info['torch']}, {info['threads']} threads, {dev}")
     return info
+
+
+class KnobError(ValueError):
+    """A notebook knob is out of its range; the message is one line that says what to pick."""
+
+
+def _bound(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def check_knobs(**knobs) -> dict:
+    """Validate a notebook's knobs in one call, right after its parameters cell; return them as a dict.
+
+        check_knobs(SEED=SEED, QUICK=QUICK, WORLD_SIZE=(WORLD_SIZE, 2, 8), STEPS=(STEPS, 30, None),
+                    PRESET=(PRESET, ["nano", "micro"]))
+
+    SEED must be an integer ≥ 0 and QUICK a bool; `(value, lo, hi)` is an integer (a number, if a bound is a float)
+    in [lo, hi], None for no bound; `(value, choices)` one of the choices; anything else is taken as it is.
+    A bad value raises KnobError with one line, e.g. "WORLD_SIZE = 0: pick 2 to 8".
+    """
+    values = {}
+    for name, spec in knobs.items():
+        if name == "SEED" and not isinstance(spec, tuple):
+            spec = (spec, 0, None)
+        if name == "QUICK" and not isinstance(spec, tuple):
+            if not isinstance(spec, bool):
+                raise KnobError(f"QUICK = {spec!r}: pick True or False")
+            values[name] = spec
+            continue
+        if not isinstance(spec, tuple):
+            values[name] = spec
+            continue
+        value = spec[0]
+        if len(spec) == 2:
+            if value not in spec[1]:
+                raise KnobError(f"{name} = {value!r}: pick one of {', '.join(map(repr, spec[1]))}")
+        elif len(spec) == 3:
+            lo, hi = spec[1], spec[2]
+            real = isinstance(lo, float) or isinstance(hi, float)
+            kinds = (int, float) if real else (int,)
+            what = "a number" if real else "an integer"
+            rng = (f"{_bound(lo)} to {_bound(hi)}" if lo is not None and hi is not None else
+                   f"{what} ≥ {_bound(lo)}" if lo is not None else f"{what} ≤ {_bound(hi)}")
+            if isinstance(value, bool) or not isinstance(value, kinds) or \
+                    (lo is not None and value < lo) or (hi is not None and value > hi):
+                raise KnobError(f"{name} = {value!r}: pick {rng}")
+        else:
+            raise TypeError(f"check_knobs: {name} needs value, (value, lo, hi) or (value, choices), got {spec!r}")
+        values[name] = value
+    return values

@@ -1,6 +1,9 @@
 """Cache tiers in front of the object store, and the hit rates they must reach (docs/formulas.md §10.3, §10.4).
 
-Tier 1 — `ShardCache`: whole shards as files on local disk under a byte budget, with an eviction policy:
+Tier 1 — `ShardCache`: whole shards as files on local disk under a byte budget, with an eviction policy. The rule
+when a shard of n bytes arrives: if n exceeds the whole budget it is passed through uncached (nothing is evicted for
+it, and it was fetched only because the caller needed it anyway); otherwise `lru`/`mru` evict until it fits and
+`pin` keeps it only if it fits without evicting:
 
     lru   evict the least recently used. On the same scan every epoch with C < D shards cached it never hits:
           between two reads of a shard D − 1 > C − 1 others were read, so it was evicted (formulas §10.3)
@@ -56,8 +59,10 @@ class ShardCache:
     """Whole shards as files in `directory`, at most `budget_bytes` of them, evicted by `policy`.
 
     Files that are already in `directory` (a cache that survived a restart) count as cached, oldest file first.
-    `hits`/`misses`/`evictions` count `get` calls; `get_or_fetch` fetches a miss once even when several threads
-    ask for it together (single flight), so the store never sends the same shard twice for one miss.
+    `hits`/`misses`/`evictions` count lookups; `passed_through` counts shards larger than the whole budget, handed
+    to the caller and not kept. `get_or_fetch` fetches a miss once however many threads ask for it together (single
+    flight, decided under one lock: a thread either finds the shard, joins the fetch in flight or leads a new one),
+    so the store never sends the same shard twice for one miss.
     """
 
     def __init__(self, directory, budget_bytes: int, policy: str = "lru", *, min_item_bytes: int | None = None):
@@ -72,8 +77,8 @@ class ShardCache:
         self.budget, self.policy = budget_bytes, policy
         self._entries: collections.OrderedDict = collections.OrderedDict()   # key -> bytes; oldest use first
         self._lock = threading.Lock()
-        self._inflight: dict = {}
-        self.hits = self.misses = self.evictions = 0
+        self._inflight: dict = {}                                            # key -> _Flight
+        self.hits = self.misses = self.evictions = self.passed_through = 0
         files = sorted((p for p in self.directory.iterdir() if p.suffix == ".bin"), key=lambda p: p.stat().st_mtime)
         for p in files:
             self._entries[urllib.parse.unquote(p.stem)] = p.stat().st_size
@@ -95,23 +100,29 @@ class ShardCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def _lookup(self, key: str) -> bytes | None:
+        """The cached bytes (a hit, now the most recently used) or None (a miss); call with the lock held."""
+        if key not in self._entries:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return self._path(key).read_bytes()
+
     def get(self, key: str) -> bytes | None:
         with self._lock:
-            if key not in self._entries:
-                self.misses += 1
-                return None
-            self.hits += 1
-            self._entries.move_to_end(key)                   # now the most recently used
-            return self._path(key).read_bytes()
+            return self._lookup(key)
 
     def put(self, key: str, data: bytes) -> bool:
-        """Store `data` under `key` if the policy admits it; True if it is cached afterwards."""
+        """Store `data` under `key` if the policy admits it; True if it is cached afterwards. A shard larger than the
+        whole budget is never admitted: it is passed through (False), and nothing is evicted for it."""
         n = len(data)
-        if n > self.budget:
-            raise CacheTooSmall(_too_small(self.budget, n))
         with self._lock:
             if key in self._entries:
                 return True
+            if n > self.budget:
+                self.passed_through += 1
+                return False
             if self.policy == "pin" and self.used + n > self.budget:
                 return False                                   # pinned shards stay; the newcomer is not kept
             while self.used + n > self.budget:
@@ -126,33 +137,35 @@ class ShardCache:
             return True
 
     def get_or_fetch(self, key: str, fetch) -> bytes:
-        data = self.get(key)
-        if data is not None:
-            return data
-        with self._lock:
-            event = self._inflight.get(key)
-            leader = event is None
-            if leader:
-                event = self._inflight[key] = threading.Event()
-        if not leader:                                         # someone is fetching it: wait for their copy
-            event.wait()
-            data = self.get(key)
+        with self._lock:                                       # one decision: hit, join the flight, or lead one
+            data = self._lookup(key)
             if data is not None:
-                with self._lock:
-                    self.hits -= 1                             # it was a miss (counted above), not a hit
                 return data
-            return fetch(key)
+            flight = self._inflight.get(key)
+            leader = flight is None
+            if leader:
+                flight = self._inflight[key] = _Flight()
+        if not leader:                                         # someone is fetching it: take their copy
+            flight.done.wait()
+            return flight.data if flight.data is not None else fetch(key)   # the leader's fetch failed: retry
         try:
-            data = fetch(key)
-            self.put(key, data)
-            return data
+            flight.data = fetch(key)
+            self.put(key, flight.data)
+            return flight.data
         finally:
             with self._lock:
                 del self._inflight[key]
-            event.set()
+            flight.done.set()
 
     def counters(self) -> tuple[int, int]:
         return self.hits, self.misses
+
+
+class _Flight:
+    """One fetch in flight: the followers wait for `done` and share `data` (None if the leader's fetch raised)."""
+
+    def __init__(self):
+        self.done, self.data = threading.Event(), None
 
 
 def _too_small(budget: int, item: int) -> str:
@@ -190,6 +203,19 @@ def lru_shuffled_hit_probabilities(capacity: int, items: int) -> list:
     """P(hit) of the i-th read of a fresh permutation under LRU: (C − i)/(D − i) for i < C, else 0 (see above)."""
     C, D = min(capacity, items), items
     return [(C - i) / (D - i) for i in range(C)] + [0.0] * (D - C)
+
+
+def lru_hits_after(previous: list, order: list, capacity: int) -> int:
+    """The exact hits of LRU (C = `capacity` items) reading the permutation `order` right after the permutation
+    `previous` of the same D keys, by the rule derived above: read i < C hits iff its key is among the C − i most
+    recent keys of `previous` not yet read in `order`; from read C on, nothing hits. No cache is simulated."""
+    if capacity >= len(order):
+        return len(order)
+    read, hits = set(), 0
+    for i, key in enumerate(order[:capacity]):
+        hits += key in [k for k in reversed(previous) if k not in read][:capacity - i]
+        read.add(key)
+    return hits
 
 
 def analytic_hit_rate(pattern: str, policy: str, capacity: int, items: int, epoch: int) -> float | None:
@@ -286,19 +312,27 @@ STOP = -1
 class DistributedShardCache:
     """Tier 2 over the ranks of `comm` (collective: every rank builds it, and every rank must `close()` it).
 
-    fetch(key): the owner rank (owner_map, default `Rendezvous(range(world_size))`) reads its tier-1 `cache`, or on
-    a miss the `store` source (and keeps the shard); any other rank sends the owner the shard number (8 bytes,
-    group 'cache_req') and receives the shard (group 'cache'), both through the traffic ledger. Each rank runs one
-    server thread per peer; a requester holds at most one request per owner at a time, so replies cannot cross.
+    fetch(key): the owner (owner_map, default `Rendezvous(nodes)`) reads its tier-1 `cache`, or on a miss the
+    `store` source (and keeps the shard); any other rank sends the owner the shard number (8 bytes, group
+    'cache_req') and receives the shard (group 'cache'), both through the traffic ledger. Each rank runs one server
+    thread per peer; a requester holds at most one request per owner at a time, so replies cannot cross.
+
+    `nodes[r]` is rank r's stable identity — the machine whose local drive holds its tier-1 cache (default: the rank
+    number). Owners are chosen among nodes, not rank numbers: when a middle rank leaves and the survivors are
+    renumbered, a survivor keeps its node name, so only the departed node's shards move (formulas §10.4).
     """
 
-    def __init__(self, comm, cache: ShardCache, store, index: ShardIndex, *, owner_map=None):
+    def __init__(self, comm, cache: ShardCache, store, index: ShardIndex, *, owner_map=None, nodes=None):
         self.comm, self.cache, self.store, self.index = comm, cache, store, index
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.owner_map = owner_map or Rendezvous(range(self.world_size))
-        bad = set(self.owner_map.nodes) - set(range(self.world_size))
+        self.nodes = list(range(self.world_size)) if nodes is None else list(nodes)
+        if len(self.nodes) != self.world_size or len(set(self.nodes)) != self.world_size:
+            raise ValueError(f"nodes must name each of the {self.world_size} ranks once, got {self.nodes!r}")
+        self._rank_of = {node: r for r, node in enumerate(self.nodes)}
+        self.owner_map = owner_map or Rendezvous(self.nodes)
+        bad = [n for n in self.owner_map.nodes if n not in self._rank_of]
         if bad:
-            raise ValueError(f"the owner map names nodes {sorted(bad)} that are not ranks 0..{self.world_size - 1}")
+            raise ValueError(f"the owner map names nodes {bad} that are not this job's nodes {self.nodes}")
         self._number = {k: i for i, k in enumerate(index.keys())}
         # Two groups, so that on every pair of ranks requests and replies never share a channel.
         self.req = comm.new_group(range(self.world_size), name="cache_req")
@@ -324,7 +358,8 @@ class DistributedShardCache:
             self.data.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), peer, tag="shard")
 
     def owner(self, key: str) -> int:
-        return self.owner_map.owner(key)
+        """The rank that serves `key`: the rank of its owner node."""
+        return self._rank_of[self.owner_map.owner(key)]
 
     def fetch(self, key: str) -> bytes:
         owner = self.owner(key)
@@ -355,5 +390,6 @@ class DistributedShardCache:
 
 
 __all__ = ["ShardCache", "CachedSource", "CacheTooSmall", "POLICIES", "PATTERNS", "access_pattern",
-           "analytic_hit_rate", "lru_shuffled_hit_probabilities", "poisson_binomial_interval", "run_epochs",
+           "analytic_hit_rate", "lru_shuffled_hit_probabilities", "lru_hits_after", "poisson_binomial_interval",
+           "run_epochs",
            "Rendezvous", "ModN", "stable_hash", "owners", "moved_keys", "DistributedShardCache"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from .cache import CachedSource, DistributedShardCache, Rendezvous, ShardCache
+from .cache import CachedSource, DistributedShardCache, ShardCache
 from .shards import ShardIndex, StoreShardSource
 from .stream import StreamingBatches, epoch_shards
 
@@ -50,15 +50,20 @@ def stream_worker(ctx, access, bucket: str, index: ShardIndex, *, micro_batch_si
 
 
 def cache_worker(ctx, access, bucket: str, index: ShardIndex, root: str, *, budget: int, epochs: int, seed: int,
-                 first_epoch: int = 0, distributed: bool = True, policy: str = "lru", owner_map=None,
+                 first_epoch: int = 0, distributed: bool = True, policy: str = "lru", owner_map=None, nodes=None,
                  prefetch: int = 2) -> dict:
-    """Stream epochs first_epoch … first_epoch + epochs − 1 of this rank's share through the caches; rank r keeps
-    its tier-1 cache in root/rank{r} (it survives between launches, like a node's local drive)."""
-    cache = ShardCache(os.path.join(root, f"rank{ctx.rank}"), budget, policy, min_item_bytes=index.shard_bytes)
+    """Stream epochs first_epoch … first_epoch + epochs − 1 of this rank's share through the caches. Rank r runs on
+    node `nodes[r]` (default: the rank number) and keeps its tier-1 cache in root/node-<node>, which survives between
+    launches like a node's local drive.
+
+    'store_bytes' is what this rank's store client received during each epoch's reads; 'store_total' is all it
+    received until every rank closed the tier-2 cache — an owner keeps serving its peers after its own epochs end,
+    and a shard it fetches for them then falls in no epoch of its own."""
+    node = nodes[ctx.rank] if nodes is not None else ctx.rank
+    cache = ShardCache(os.path.join(root, f"node-{node}"), budget, policy, min_item_bytes=index.shard_bytes)
     store = StoreShardSource(access, bucket, index)
     if distributed:
-        source = DistributedShardCache(ctx.comm, cache, store, index,
-                                       owner_map=owner_map or Rendezvous(range(ctx.world_size)))
+        source = DistributedShardCache(ctx.comm, cache, store, index, owner_map=owner_map, nodes=nodes)
     else:
         source = CachedSource(cache, store)
     stream = StreamingBatches(source, index, micro_batch_size=1, dp=ctx.comm, seed=seed, prefetch=prefetch,
@@ -69,11 +74,12 @@ def cache_worker(ctx, access, bucket: str, index: ShardIndex, root: str, *, budg
         before = store.stats.bytes
         stream.samples(e * n, n)
         per_epoch.append(store.stats.bytes - before)
-    stream.close()
+    stream.close()                                   # waits for this rank's prefetches still in flight
     if distributed:
-        source.close()
+        source.close()                               # returns once every peer has stopped asking this rank
     store.close()
-    return {"store_bytes": per_epoch, "peer_bytes": getattr(source, "peer_bytes", 0),
+    return {"store_bytes": per_epoch, "store_total": store.stats.bytes, "store_shards": store.stats.shards,
+            "peer_bytes": getattr(source, "peer_bytes", 0),
             "shard_bytes_sent": ctx.comm.ledger.bytes_sent(group="cache"),
             "request_bytes_sent": ctx.comm.ledger.bytes_sent(group="cache_req"),
             "cached": cache.keys(), "hits": cache.hits, "misses": cache.misses, "retries": access.stats.retries}

@@ -1,6 +1,6 @@
 """On real gloo ranks: the streaming dataset equals one process's reader and trains like it; the distributed cache
 makes the store send one copy per dataset, books peer bytes on the ledger exactly, and moves only a departed
-rank's shards."""
+rank's shards — also when a middle rank leaves and the survivors are renumbered (owners are keyed by node)."""
 import pytest
 import torch
 
@@ -55,7 +55,7 @@ def test_distributed_cache_sends_one_copy_and_only_the_departed_ranks_shards_mov
     store.stats.reset()
     out = launch(cache_worker, n, store.access(), BUCKET, index, str(tmp_path), budget=budget, epochs=epochs,
                  seed=3, timeout=240)
-    assert store.stats.bytes_out == index.nbytes                       # one copy per dataset
+    assert store.stats.bytes_out == index.nbytes == sum(r["store_total"] for r in out)   # one copy per dataset
     expect = sum(shard for e in range(epochs) for r in range(n) for s in R.epoch_shards(len(keys), e, 3, r, n)
                  if own[keys[s]] != r)
     assert sum(r["shard_bytes_sent"] for r in out) == sum(r["peer_bytes"] for r in out) == expect
@@ -66,3 +66,24 @@ def test_distributed_cache_sends_one_copy_and_only_the_departed_ranks_shards_mov
     launch(cache_worker, n - 1, store.access(), BUCKET, index, str(tmp_path), budget=budget, epochs=1, seed=3,
            first_epoch=epochs, timeout=240)
     assert store.stats.bytes_out == shard * sum(1 for k in keys if own[k] == n - 1)
+
+
+def test_a_middle_rank_leaves_and_only_its_nodes_shards_move(env, tmp_path):
+    store, index = env
+    keys, shard = index.keys(), index.shard_bytes
+    nodes = ["a", "b", "c", "d"]
+    survivors = ["a", "c", "d"]                        # rank 1 ("b") died; "c" and "d" are now ranks 1 and 2
+    own = K.owners(K.Rendezvous(nodes), keys)
+    budget = max(sum(shard for k in keys if own[k] == n) for n in nodes)
+    store.stats.reset()
+    out = launch(cache_worker, 4, store.access(), BUCKET, index, str(tmp_path), budget=budget, epochs=1, seed=5,
+                 nodes=nodes, timeout=240)
+    assert store.stats.bytes_out == index.nbytes == sum(r["store_total"] for r in out)
+    after = K.Rendezvous(survivors)
+    budget = max(sum(shard for k in keys if after.owner(k) == n) for n in survivors)
+    store.stats.reset()
+    out = launch(cache_worker, 3, store.access(), BUCKET, index, str(tmp_path), budget=budget, epochs=1, seed=5,
+                 first_epoch=1, nodes=survivors, timeout=240)
+    lost = [k for k in keys if own[k] == "b"]
+    assert sorted(K.moved_keys(K.Rendezvous(nodes), after, keys)) == sorted(lost)
+    assert store.stats.bytes_out == shard * len(lost) == sum(r["store_total"] for r in out)

@@ -119,3 +119,99 @@ def test_readme_course_map_lists_every_notebook_and_lab():
     readme = (ROOT / "README.md").read_text()
     for path in NOTEBOOKS + SOLUTIONS:
         assert path.name in readme, f"README.md's course map does not mention {path.name}"
+
+
+def _constant_names(nb) -> set:
+    """Names every assignment of which (outside the parameters cell) is arithmetic on literals and other such names:
+    `hours = 54 * 24`, `mtbf = hours / 419`. Knobs are inputs, not constants."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    params = {id(c) for c in parameters_cells(nb)}
+    assigned = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code" or id(cell) in params:
+            continue
+        try:
+            tree = ast.parse(TransformerManager().transform_cell(cell.source))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension)) else []
+            for t in targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        assigned.setdefault(n.id, []).append(node.value if isinstance(node, ast.Assign) else None)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+                for a in getattr(node, "names", []):
+                    assigned.setdefault((a.asname or a.name).split(".")[0], []).append(None)
+                if hasattr(node, "name") and isinstance(node.name, str):
+                    assigned.setdefault(node.name, []).append(None)
+    constant, changed = set(), True
+    while changed:
+        changed = False
+        for name, values in assigned.items():
+            if name not in constant and all(v is not None and _is_constant(v, constant) for v in values):
+                constant.add(name)
+                changed = True
+    return constant
+
+
+def _is_constant(expr, constant: set) -> bool:
+    """Literals, arithmetic and comparisons on them, and names in `constant`; no calls but abs/round/min/max."""
+    for n in ast.walk(expr):
+        if isinstance(n, ast.Name) and n.id not in constant and n.id not in {"abs", "round", "min", "max"}:
+            return False
+        if isinstance(n, (ast.Attribute, ast.Subscript, ast.Lambda, ast.ListComp, ast.GeneratorExp)):
+            return False
+    return True
+
+
+def _assert_tests(nb):
+    from IPython.core.inputtransformer2 import TransformerManager
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(TransformerManager().transform_cell(cell.source))
+        except SyntaxError:
+            continue
+        assigned = {t.id: ast.dump(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                    for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assert):
+                yield i, node, assigned
+
+
+def _tautology(test, constant: set, assigned: dict, knobs: set) -> str | None:
+    """Why the assert's test cannot fail, or None (a knob's range check is input validation, not a tautology)."""
+    if _is_constant(test, constant):
+        return "it is arithmetic on constants"
+    for part in (test.values if isinstance(test, ast.BoolOp) else [test]):
+        if not isinstance(part, ast.Compare):
+            continue
+        ends = [part.left] + part.comparators
+        if len(ends) == 3 and all(isinstance(e, ast.Constant) for e in (ends[0], ends[2])) \
+                and (ends[0].value, ends[2].value) in ((0, 1), (0.0, 1.0)) \
+                and not (isinstance(ends[1], ast.Name) and ends[1].id in knobs):
+            return "a fraction between 0 and 1 is no check of its value"
+        for op, left, right in zip(part.ops, ends, ends[1:]):
+            if not isinstance(op, ast.Eq):
+                continue
+            for a, b in ((left, right), (right, left)):
+                if isinstance(a, ast.Call) and getattr(a.func, "id", None) == "round" and isinstance(b, ast.Constant):
+                    return "it compares a rounded value with a number copied from the output"
+                if isinstance(a, ast.Name) and assigned.get(a.id) == ast.dump(b):
+                    return f"it compares {a.id} with the expression it was just assigned"
+    return None
+
+
+@lectures_and_solutions
+def test_no_assert_that_cannot_fail(path):
+    """An assert must be able to fail: not arithmetic on constants (`assert 54 * 24 == 1296`), not a value against its
+    own definition (`x = f(a); assert x == f(a)`), not a rounded figure against a number copied from the output, not
+    `0 <= fraction < 1`. Compare a measurement with a closed form, or print the figure without asserting it."""
+    nb = read(path)
+    constant, knobs = _constant_names(nb), assigned_names(parameters_cells(nb)[0].source)
+    bad = [f"cell {i}: `{ast.unparse(node.test)[:90]}` — {why}" for i, node, assigned in _assert_tests(nb)
+           if (why := _tautology(node.test, constant, assigned, knobs))]
+    assert not bad, f"{rel(path)} has asserts that cannot fail:\n  " + "\n  ".join(bad)

@@ -144,3 +144,26 @@ def test_a_seed_that_nothing_reads_says_so_on_its_line(path):
     assert used or NO_EFFECT in line, (f"{rel(path)}: no cell reads SEED; say so on its line in the parameters cell: "
                                        f"`SEED = 0  # {NO_EFFECT} here: …`")
     assert not (used and NO_EFFECT in line), f"{rel(path)}: the SEED line says '{NO_EFFECT}', but a cell reads SEED"
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"WORLD_SIZE": (0, 2, 8)}, "WORLD_SIZE = 0: pick 2 to 8"),
+    ({"WORLD_SIZE": (2.5, 2, 8)}, "WORLD_SIZE = 2.5: pick 2 to 8"),
+    ({"SEED": -1}, "SEED = -1: pick an integer ≥ 0"),
+    ({"QUICK": "no"}, "QUICK = 'no': pick True or False"),
+    ({"STEPS": (10, 30, None)}, "STEPS = 10: pick an integer ≥ 30"),
+    ({"CACHE_FRACTION": (1.5, 0.0, 1.0)}, "CACHE_FRACTION = 1.5: pick 0 to 1"),
+    ({"PRESET": ("huge", ["nano", "micro"])}, "PRESET = 'huge': pick one of 'nano', 'micro'"),
+])
+def test_check_knobs_refuses_a_bad_value_in_one_line_with_the_range(knobs, message):
+    import course_lib
+    with pytest.raises(course_lib.KnobError) as err:
+        course_lib.check_knobs(**knobs)
+    assert str(err.value) == message and "\n" not in str(err.value)
+
+
+def test_check_knobs_returns_the_values_it_accepts():
+    import course_lib
+    assert course_lib.check_knobs(SEED=3, QUICK=False, WORLD_SIZE=(4, 2, 8), PRESET=("nano", ["nano"]),
+                                  VALUE=0.1) == {"SEED": 3, "QUICK": False, "WORLD_SIZE": 4, "PRESET": "nano",
+                                                 "VALUE": 0.1}

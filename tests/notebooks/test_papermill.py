@@ -80,3 +80,10 @@ def test_notebook_00_refuses_world_size_0_before_training_with_the_allowed_range
     executed = read(tmp_path / path.name).cells            # with papermill's injected cell
     assert not any("train_reference(" in c.source or "launch(" in c.source
                    for c in executed[:err.value.cell_index + 1]), "WORLD_SIZE = 0 must be refused before training"
+
+
+def test_notebook_09_runs_at_several_seeds():
+    """Its FP8 comparison with torchao once held for some seeds only (SEED = 3 and 5 failed on an AMD EPYC): besides
+    the default, the matrix runs it at three other seeds, so a seed-dependent margin cannot come back unseen."""
+    seeds = {c["SEED"] for c in matrix(ROOT / "notebooks" / "09_precision_quantization.ipynb") if "SEED" in c}
+    assert len(seeds - {_defaults(ROOT / "notebooks" / "09_precision_quantization.ipynb")["SEED"]}) >= 3, seeds

@@ -3,17 +3,35 @@
 Every technique the notebooks teach lives here once, as a short readable module; notebooks import it,
 show it (`show_source`) and measure it.
 
-    model        toy GPT (presets ~44 K – ~20 M parameters), parameter, FLOP and activation counts
+    model, moe   toy GPT (presets ~44 K – ~20 M parameters; dense or mixture-of-experts), parameter, FLOP and
+                 activation counts
     data         shipped real-text corpus, byte tokenizer, rank-sharded deterministic batches
     train        THE training loop (`run`, with probes: ledger, memory, gradients) and the single-process reference
     memory       exact live bytes by category × placement (device/host/disk), timeline, simulated accelerator
+    files        the one atomic write (write, fsync, rename, fsync the directory)
     costmodel    alpha-beta link model with sourced presets and a calibration helper ("modeled")
     plots        per-rank timelines, memory by category, traffic bars
-    dist/        launch (real ranks), comm (the traffic ledger), mesh (pp × dp × tp), collectives, flat buffers
-    parallel/    dp (DDP), zero (ZeRO-1/2), fsdp (ZeRO-3), compose (apply_<technique>, in the order they compose)
-    memopt/      memory-saving techniques (offload, recomputation, precision)
+    dist/        launch (real ranks), comm (the traffic ledger), mesh (pp × dp × cp × tp, ep inside dp),
+                 collectives, all-to-all, flat buffers
+    parallel/    dp (DDP), zero (ZeRO-1/2), fsdp (ZeRO-3), pipeline, tensor, context (ring attention), expert (EP)
+    memopt/      memory-saving techniques (offload, recomputation, precision, quantization)
+    optim/       the one optimizer module: AdamW, fp32 master weights, 8-bit states
+    fits         which technique fits a model on a device, at what modeled cost (analytic)
     transports/  TCP / RDMA / GPUDirect: measured paths between processes, the modeled exchange
+    resilience/  checkpoints and recovery · io/ data from object storage through caches
+    parallel_plan, parallelize   ONE plan of every technique, checked before launch, and the composer that applies
+                 it on a rank in the one order techniques compose in
     checks/      lab checks: one pass line with the measured figure, or one failure with a hint
+
+Layers, bottom to top — a module imports only its own layer and those below (tests/test_layering.py reads every
+import, function-local ones too):
+
+    foundation   model, moe, data, memory, files, costmodel, plots (and this package)
+    dist         dist/ (and run, the torchrun entry)
+    train        train
+    techniques   parallel/, memopt/, optim/, transports/, fits
+    systems      resilience/, io/
+    composer     parallel_plan, parallelize, checks/
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """

@@ -13,6 +13,7 @@ next one sees a model it understands (picotron swaps modules inside the model th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -81,7 +82,7 @@ class Parallelized:
         """Stop what the techniques started (communication threads, offload files), in reverse order."""
         seen = set()
         for _, obj in reversed(self.applied):
-            if getattr(type(obj), "__exit__", None) is not None and id(obj) not in seen:
+            if isinstance(obj, contextlib.AbstractContextManager) and id(obj) not in seen:
                 seen.add(id(obj))
                 obj.__exit__(None, None, None)
 

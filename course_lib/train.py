@@ -297,6 +297,12 @@ def run(model, optimizer, batches, *, steps: int, probes=(), step_fn=forward_bac
     return Run(losses, windows, phases, results, params, tokens)
 
 
+def closing(obj):
+    """The one protocol for what owns a thread, hooks or files (the overlapped DDP, FSDP, activation offload, …):
+    it is a context manager, and `with closing(obj):` closes it; anything else has nothing to close."""
+    return obj if isinstance(obj, contextlib.AbstractContextManager) else contextlib.nullcontext()
+
+
 # ============================================================================================ the reference
 @dataclass
 class TrainResult:

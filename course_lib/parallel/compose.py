@@ -1,20 +1,16 @@
-"""Composing techniques: `apply_<technique>(model, mesh, ...)`, in one place, and the order they go in.
+"""Every `apply_<technique>(model, mesh, ...)` of the course in one namespace, for notebooks and labs.
 
-Every technique takes the model as it is after the previous ones and the rank mesh (`course_lib.dist.mesh.Mesh`),
-and uses the axis it owns: data parallelism and ZeRO/FSDP the `dp` axis, tensor parallelism `tp`, pipelines `pp`.
-The order matters, innermost first (torchtitan's `parallelize` applies them the same way):
+The composer is `course_lib.parallelize.parallelize(model, mesh, plan)`: it applies them in the one order they
+compose in, with the reason for each position (`parallelize.ORDER`), and builds the optimizer last. Each
+technique lives in its own file and imports nothing from here; this module only re-exports them, plus
+`train_parallel`, the one-axis helper notebooks 03, 04 and 09 train with.
 
-    1. tensor parallelism     rewrites the layers themselves (which rows or columns of each weight this rank
-                              holds), so it must see the plain model
-    2. pipeline split         keeps only this stage's layers
-    3. recomputation          wraps the blocks that will actually run here, after TP changed their insides
-    4. precision              decides the dtype of what the remaining steps shard and communicate (`apply_precision`)
-    5. data parallel / ZeRO   outermost: reduces or shards whatever parameters the model now has, over `dp`
-
-Data parallelism goes last because it is the only one that is indifferent to what a parameter is: it reduces (or
-shards) the gradients of whatever this rank holds — a TP shard of a weight of one pipeline stage is just a tensor.
-Later notebooks add their `apply_*` here.
-    offload (notebook 07, `course_lib.memopt.offload.apply_offload`): activations at 3, the optimizer inside 5
+    apply_tp        parallel.tensor      rewrites the layers (which rows or columns of each weight a rank holds)
+    apply_pipeline  parallel.pipeline    keeps this stage's blocks; (stage, step_fn); PP then TP works too
+    apply_recompute memopt.recompute     hooks on the blocks that run here; the replay re-issues TP's collectives
+    apply_offload   memopt.offload       activations on the same blocks; the optimizer as ZeRO's inner one
+    apply_precision memopt.precision     casts in place, keeps fp32 masters; the optimizer comes from course_lib.optim
+    apply_dp / apply_zero / apply_fsdp   outermost: reduce or shard whatever this rank holds, over dp
 """
 from __future__ import annotations
 
@@ -36,7 +32,7 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap, *, model: nn.Module | None = Non
     this dp rank's share of each global batch of `tc.batch_size` sequences, in `accum_steps` micro-steps. Returns
     (train.Run, the wrapped model). Comparable with `train.train_reference(cfg, tc)` on one process."""
     from ..model import GPT
-    from ..train import make_optimizer, run
+    from ..train import closing, make_optimizer, run
     comm = axis_comm(mesh_or_comm, "dp")
     model = GPT(cfg, seed=tc.seed) if model is None else model
     wrapped = wrap(model, comm)
@@ -45,13 +41,11 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap, *, model: nn.Module | None = Non
         optimizer = make_optimizer(getattr(wrapped, "module", wrapped).parameters(), tc)
     batches = data_parallel_batches(mesh_or_comm, model.config.seq_len if hasattr(model, "config") else cfg.seq_len,
                                     tc.batch_size, accum_steps=accum_steps, seed=tc.data_seed)
-    try:
+    with closing(wrapped):                 # e.g. the overlapped DDP's communication thread
         out = run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, keep_params=keep_params,
                   progress=progress)
-    finally:
-        if hasattr(wrapped, "close"):      # the overlapped DDP's communication thread
-            wrapped.close()
     return out, wrapped
+
 
 
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)

@@ -198,6 +198,16 @@ class DataParallelNaive(nn.Module):
         rank = self.comm.rank if rank is None else rank
         return ddp_messages_per_step(self.bucket_numels(), self.world_size, rank, self.algorithm)
 
+    def close(self) -> None:
+        """Release what the wrapper owns (the overlapped kind: hooks and a communication thread; here nothing).
+        Every DDP kind is a context manager: `with apply_dp(model, mesh) as ddp: …` closes it."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def finish_gradient_synchronization(self) -> None:
         """Average every gradient over the ranks (call after backward, before optimizer.step())."""
         if not self.require_backward_grad_sync:

@@ -273,10 +273,9 @@ def _accumulate(ctx):
         ddp = WRAPPERS[wrap_name](model, ctx.comm)
         data = data_parallel_batches(ctx.comm, cfg.seq_len, n * MICRO_BATCH_SIZE * ACCUM, accum_steps=ACCUM)
         ctx.comm.ledger.reset()
-        r = run(ddp, make_optimizer(model.parameters(), _tc(n, ACCUM)), data, steps=STEPS,
-                probes=[LedgerProbe(ctx.comm)], keep_params=True)
-        if hasattr(ddp, "close"):
-            ddp.close()
+        with ddp:                               # every DDP kind is a context manager (overlap: its thread)
+            r = run(ddp, make_optimizer(model.parameters(), _tc(n, ACCUM)), data, steps=STEPS,
+                    probes=[LedgerProbe(ctx.comm)], keep_params=True)
         out[wrap_name] = {"losses": r.losses, "params": r.params, "phases": r["ledger"]["phase_bytes"],
                           "expect": ddp.expected_bytes_sent()}
     return out

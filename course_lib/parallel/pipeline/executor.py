@@ -268,7 +268,7 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
     (train.Run, this rank's PipelineStage, its Pipeline); `pipeline.data_parallel` is the DDP wrapper or the ZeRO
     optimizer (or None): its bucket layout gives the dp bytes."""
     from ...model import GPT
-    from ...train import make_optimizer, optimizer_kwargs, run
+    from ...train import closing, make_optimizer, optimizer_kwargs, run
     from ...memopt.recompute import apply_recompute
     from ..dp import apply_dp
     from ..zero import apply_zero
@@ -290,11 +290,8 @@ def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chu
         wrapped = pipe.data_parallel = apply_dp(stage, mesh, kind=data_parallel)
     optimizer = optimizer or make_optimizer(stage.parameters(), tc)
     batches = mesh.batches(model.config.seq_len, tc.batch_size // (dp * M), accum_steps=M, seed=tc.data_seed)
-    try:
+    with closing(wrapped):
         out = run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, step_fn=pipe, keep_params=keep_params)
-    finally:
-        if hasattr(wrapped, "close"):
-            wrapped.close()
     return out, stage, pipe
 
 

@@ -29,7 +29,7 @@ from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.pipeline import PipelineStage, apply_pipeline, boundary_bytes, split_layers
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_step
 from course_lib.parallel.zero import apply_zero
-from course_lib.train import closing, (LedgerProbe, TrainConfig, forward_backward, make_optimizer, optimizer_kwargs, run,
+from course_lib.train import (LedgerProbe, closing, TrainConfig, forward_backward, make_optimizer, optimizer_kwargs, run,
                               train_reference)
 
 pytestmark = pytest.mark.integration

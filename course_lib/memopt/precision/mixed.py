@@ -93,17 +93,6 @@ class MixedPrecisionModel(nn.Module):
                 return inner(model, batches, step, phase)
         return step
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            # The wrapper of earlier versions held the model as `.module` (notebook 09 still reads it): now the
-            # model itself — only for a model with its own blocks, so that code unwrapping `.module` until it
-            # finds blocks (model.blocks_of) can never loop on it.
-            if name == "module" and "blocks" in self._modules:
-                return self
-            raise
-
 
 _CLASSES: dict = {}
 

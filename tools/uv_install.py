@@ -75,7 +75,10 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--print"]
     uv = Path(sys.executable).with_name("uv")
     options, env = uv_options(pip_config())
-    cmd = [str(uv), "pip", "install", "--quiet", "--python", sys.executable,
+    # --compile-bytecode: pip writes every .pyc at install; uv by default leaves it to the first import, which under
+    # PYTHONDONTWRITEBYTECODE (set on some machines, this course's CI among them) never stores it, so each of the
+    # ~100 kernels and ranks of a test run would compile torch from source again. uv compiles on every core.
+    cmd = [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", sys.executable,
            "--index-strategy", "unsafe-best-match", *options, *argv]
     if show:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))

@@ -13,13 +13,14 @@ IP   ?= 127.0.0.1
 # pytest workers; loadscope keeps each notebook (and each test module or class) on one worker.
 JOBS ?= 2
 
-.PHONY: install lab test labs run-all clean help
+.PHONY: install lab test labs run-all book clean help
 
 help:
 	@echo "make lab      set up (first time) and open the course in JupyterLab"
 	@echo "make test     set up (first time) and run every test, notebook and lab check"
 	@echo "make labs     regenerate labs/ from solutions/"
 	@echo "make run-all  execute every notebook into build/executed/ and time each (instructor dry run)"
+	@echo "make book     the course as a static HTML site in build/book/ (executes every notebook first)"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 install:
@@ -43,6 +44,10 @@ labs: install
 
 run-all: install
 	$(PY) tools/run_all.py
+
+# Executes every notebook (as run-all does), then writes build/book/index.html and its pages; open it from disk.
+book: install
+	OMP_NUM_THREADS=1 $(PY) tools/book.py
 
 clean:
 	rm -rf build .pytest_cache

@@ -2,12 +2,18 @@
 """Normalise notebooks the way the repository stores them, and convert to/from py:percent for editing.
 
     python tools/nbfmt.py notebooks/*.ipynb solutions/*.ipynb      strip outputs, counts, stray metadata; set kernel
+                                                                    and language_info as JupyterLab would
     python tools/nbfmt.py --check notebooks/*.ipynb                 exit 1 if any file is not normalised
     python tools/nbfmt.py --from-py draft.py notebooks/05_x.ipynb   py:percent draft -> stored notebook
     python tools/nbfmt.py --to-py notebooks/05_x.ipynb draft.py     stored notebook -> py:percent for editing
 
-Stored form: nbformat 4.5, no outputs, no execution counts, kernelspec 'llm-systems-course', sequential cell ids,
-cell metadata limited to `tags`, notebook metadata limited to kernelspec, language_info name and `course`.
+Stored form: nbformat 4.5, no outputs, no execution counts, sequential cell ids, cell metadata limited to `tags`,
+notebook metadata limited to kernelspec, language_info and `course`. kernelspec and language_info are exactly what
+JupyterLab writes into a notebook once the course kernel starts (the kernelspec's name, display name and language;
+the kernel's whole kernel_info language_info): JupyterLab compares them with the stored values, and any difference
+marks an untouched notebook modified. language_info's `version` is the Python that first normalised the file and
+is kept from then on, so normalising on another Python does not rewrite every notebook; only there, JupyterLab
+still updates that one string on open.
 """
 from __future__ import annotations
 
@@ -20,10 +26,20 @@ import nbformat
 KERNELSPEC = {"name": "llm-systems-course", "display_name": "Python (LLM systems course)", "language": "python"}
 
 
+def kernel_language_info() -> dict:
+    """The language_info the course kernel (ipykernel, this Python) sends in kernel_info, as JupyterLab stores it."""
+    from ipykernel.ipkernel import IPythonKernel
+    return dict(IPythonKernel.language_info)
+
+
 def normalise(nb) -> "nbformat.NotebookNode":
     nb.nbformat, nb.nbformat_minor = 4, 5
     keep = {k: nb.metadata[k] for k in ("course",) if k in nb.metadata}
-    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": {"name": "python"}, **keep})
+    language_info = kernel_language_info()
+    stored_version = nb.metadata.get("language_info", {}).get("version")
+    if stored_version:
+        language_info["version"] = stored_version
+    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": language_info, **keep})
     for i, cell in enumerate(nb.cells):
         cell.id = f"cell-{i:03d}"
         tags = cell.get("metadata", {}).get("tags", [])

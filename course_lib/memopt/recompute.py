@@ -143,7 +143,12 @@ def apply_recompute(model, mesh=None, *, policy: "str | RecomputePlan" = "full",
     its segments' inputs. `mesh` is accepted so every `apply_*` reads alike, and not used: the collectives a
     tensor-parallel block reruns are those of its own communicator. Applying again replaces the plan.
     """
+    from .offload import activation_offload_of
     blocks, cuts = _blocks_and_cuts(model) if blocks is None else (list(blocks), set())
+    if any(activation_offload_of(m) is not None for m in [model, *blocks]):
+        raise ValueError("activation offload is applied to this model's blocks: recomputation would replay them in "
+                         "backward, when their saved tensors are already on the host; offload or recompute a block, "
+                         "not both")
     plan = policy if isinstance(policy, RecomputePlan) else make_plan(policy, len(blocks), k)
     if plan.n_layer != len(blocks):
         raise ValueError(f"the plan covers {plan.n_layer} blocks but the model runs {len(blocks)}; make it for "

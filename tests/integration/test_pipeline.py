@@ -200,7 +200,7 @@ def _apply(ctx, kwargs):
 @pytest.mark.parametrize("world_size, kwargs, match", [
     (3, dict(pp=3, num_microbatches=0), "use num_microbatches ≥ 1"),
     (2, dict(pp=2, num_microbatches=2, schedule="interleaved", chunks=5), "does not divide the layers per rank"),
-    (3, dict(pp=2, num_microbatches=2), "pp × tp = 2 × 1 = 2 does not divide the world size 3"),
+    (3, dict(pp=2, num_microbatches=2), "pp × cp × tp = 2 × 1 × 1 = 2 does not divide the world size 3"),
 ])
 def test_bad_input_fails_on_every_rank_at_once_with_the_fix(world_size, kwargs, match):
     t0 = time.perf_counter()

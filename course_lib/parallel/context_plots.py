@@ -42,14 +42,19 @@ def plot_ring_steps(seq_len: int, cp: int, *, layouts=C.LAYOUTS):
     return fig
 
 
-def plot_router_counts(counts, capacity: int, *, dropped: int, title: str = "Tokens routed to each expert"):
-    """Bars of kept assignments per expert, the capacity as a line, the dropped count in the title."""
+def plot_router_counts(counts, capacity: int, *, dropped: int, demand=None, title: str = "Tokens routed to each expert"):
+    """Bars of kept assignments per expert, the capacity as a line, the dropped count in the title; with `demand`
+    (assignments the router asked of each expert), what overflowed the capacity as hatched bars above."""
     counts = np.asarray(counts)
     fig, ax = plt.subplots(figsize=(6, 2.8))
+    if demand is not None:
+        over = np.asarray(demand) - counts
+        ax.bar(np.arange(len(counts)), over, bottom=counts, color="none", edgecolor="#C44E52", hatch="///",
+               label="dropped (over capacity)")
     ax.bar(np.arange(len(counts)), counts, color=[CMAP(e % 10) for e in range(len(counts))])
     ax.axhline(capacity, color="k", ls="--", lw=1, label=f"capacity C = {capacity}")
     ax.set_xticks(np.arange(len(counts)), [f"expert {e}" for e in range(len(counts))], fontsize=8)
-    ax.set_ylabel("kept assignments (tokens)")
+    ax.set_ylabel("assignments (tokens)")
     ax.set_title(f"{title} ({dropped} dropped)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import threading
 import urllib.parse
 from pathlib import Path
@@ -45,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..files import atomic_write
 from .shards import ShardIndex
 
 POLICIES = ("lru", "mru", "pin")
@@ -130,9 +130,8 @@ class ShardCache:
                 del self._entries[victim]
                 self._path(victim).unlink(missing_ok=True)
                 self.evictions += 1
-            tmp = self._path(key).with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, self._path(key))                  # a crash never leaves half a shard under its name
+            # a crash never leaves half a shard under its name; no fsync: a cache of what the store holds durably
+            atomic_write(self._path(key), data, durable=False)
             self._entries[key] = n
             return True
 

@@ -210,10 +210,10 @@ class ParallelPlan:
                 raise PlanError(f"offload_optimizer moves each rank's optimizer shard to the {self.offload_optimizer} "
                                 f"tier, which needs ZeRO-1 or 2 over dp={self.dp} (zero={self.zero}); use zero=1 or "
                                 f"2, or offload_optimizer=None")
-            if self.precision not in (None, "bf16"):
-                raise PlanError(f"offload_optimizer keeps bf16 parameters on the device and fp32 state off it "
-                                f"(ZeRO-Offload's recipe), which is its own mixed precision; use precision='bf16' "
-                                f"or None with it, not {self.precision!r}")
+            if self.precision != "bf16":
+                raise PlanError(f"offload_optimizer keeps bf16 parameters on the device and fp32 master weights and "
+                                f"Adam state off it (ZeRO-Offload's recipe): use precision='bf16' with it, not "
+                                f"{self.precision!r}")
 
 
 __all__ = ["ParallelPlan", "PlanError", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "OPTIMIZER_TIERS", "REPLICATE"]

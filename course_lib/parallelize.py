@@ -162,6 +162,13 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
         # bf16 under FSDP: the fp32 shards are the masters (no second copy); fp16 still needs the scaler's vote
         optimizer = optim.make(wrapped.parameters(), recipe if recipe != "fp32" and recipe.loss_scaling else "fp32",
                                scaler=scaler, vote=mesh, **hyper)
+    elif plan.offload_optimizer is not None:      # ZeRO-Offload / the SSD tier: each rank offloads its shard
+        from .memopt.offload import OffloadAdam
+        if group.world_size > 1:
+            optimizer = ShardedOptimizer(model.parameters(), OffloadAdam, group, stage=plan.zero,
+                                         tier=plan.offload_optimizer, **hyper)
+        else:
+            optimizer = OffloadAdam(model.parameters(), tier=plan.offload_optimizer, **hyper)
     elif plan.zero in (1, 2):
         optimizer = ShardedOptimizer(model.parameters(), optim.optimizer_class(recipe, scaler=scaler, vote=mesh),
                                      group, stage=plan.zero, **hyper)

@@ -111,7 +111,8 @@ def test_every_accepted_plan_trains_like_one_process_with_the_formulas_bytes(wor
 # ------------------------------------------------------------------------------------------ mixed precision
 BF16 = [P(pp=2, dp=2, tp=2, microbatches=2, zero=1, precision="bf16"),
         P(dp=2, tp=4, zero=2, sequence_parallel=True, precision="bf16"),
-        P(dp=8, zero=3, precision="bf16")]
+        P(dp=8, zero=3, precision="bf16"),
+        P(dp=8, zero=2, offload_optimizer="host", precision="bf16")]
 
 
 def _bf16(ctx, plans, batch):
@@ -132,6 +133,8 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
     — within 2⁻⁷ relative at each step. That is far tighter than what a step moves the loss (≈ 1.6 % here), so a
     composition that loses the master update, casts wrongly or skips a step fails it."""
     single = launch(_bf16, 1, [P(precision="bf16")], 8, timeout=120)[0][0]["losses"]
+    offloaded = launch(_bf16, 1, [P(precision="bf16", offload_optimizer="host")], 8, timeout=120)[0][0]["losses"]
+    assert offloaded[0] == single[0]                 # the same bf16 weights: only the optimizer's place differs
     assert abs(single[1] - single[0]) > 2 ** -7 * single[0] * 2          # a step moves the loss well past the bound
     res = launch(_bf16, 8, BF16, 8, timeout=300)
     for i, plan in enumerate(BF16):
@@ -141,4 +144,5 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
             mean = sum(losses) / len(losses)
             assert abs(mean - single[s]) <= 2 ** -7 * single[s], (plan.describe(), s, mean, single[s])
         # FSDP keeps fp32 shards (the masters) and casts its gathers; the others hold bf16 compute copies
+        # (ZeRO-Offload included: its fp32 masters and Adam state live on the host)
         assert all(c["dtypes"] == ({torch.float32} if plan.zero == 3 else {torch.bfloat16}) for c in ranks)

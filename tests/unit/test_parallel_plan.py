@@ -20,6 +20,7 @@ CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
     (ParallelPlan(pp=2, dp=2, zero=3, microbatches=2), 4, 8, r"zero=3 \(FSDP\) inside a pipeline"),
     (ParallelPlan(dp=2, fsdp_replicate="norms+biases"), 2, 4, r"fsdp_replicate .* but zero=0"),
     (ParallelPlan(dp=2, offload_optimizer="host"), 2, 4, r"needs ZeRO-1 or 2 over dp=2"),
+    (ParallelPlan(dp=2, zero=1, offload_optimizer="disk"), 2, 4, r"use precision='bf16' with it, not None"),
     (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="fp16"), 2, 4, r"use precision='bf16'"),
     (ParallelPlan(dp=2, recompute="full", offload_activations=True), 2, 4, r"nothing left to offload"),
     (ParallelPlan(dp=2, zero=3, recompute="selective"), 2, 4, r"FSDP's gather hooks would fire again"),

@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..dist.collectives import all_reduce_ring
 from ..dist.flat import FlatBuffer
 from ..memory import alloc_category
-from .fsdp_shard import _set_param, _set_tensor
+from .fsdp_shard import Placed
 
 
 def norms_and_biases(name: str, param: nn.Parameter) -> bool:
@@ -67,7 +67,7 @@ def check_names(rule, places: dict) -> None:
                          f"model.named_parameters(), e.g. {sorted(known)[:3]}")
 
 
-class ReplicatedGroup:
+class ReplicatedGroup(Placed):
     """One unit's replicated parameters of one kind (trainable or frozen): whole on every rank. It answers the
     same calls as a `ShardedGroup`, so the unit treats both alike; gathering and freeing are no-ops."""
 
@@ -121,15 +121,6 @@ class ReplicatedGroup:
             mine = flat.to(self.shards[0].dtype, copy=True)
         return self.layout.views(mine)
 
-    def set_full(self, views) -> None:
-        for view, places in zip(views, self.places):
-            for module, attr, _ in places:
-                _set_tensor(module, attr, view)
-
-    def set_shards(self) -> None:
-        for p, places in zip(self.shards, self.places):
-            for module, attr, _ in places:
-                _set_param(module, attr, p)
 
 
 class _Replicate(torch.autograd.Function):

@@ -33,7 +33,22 @@ def _set_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
     object.__setattr__(module, attr, tensor)
 
 
-class ShardedGroup:
+class Placed:
+    """What a group of FSDP parameters puts into the module: the full tensors for compute (`set_full`), or the
+    parameters it keeps between steps (`set_shards`), in every place each sits (`places`; a tied weight has two)."""
+
+    def set_full(self, views) -> None:
+        for view, places in zip(views, self.places):
+            for module, attr, _ in places:         # a tied weight: the same view in every place it is used
+                _set_tensor(module, attr, view)
+
+    def set_shards(self) -> None:
+        for shard, places in zip(self.shards, self.places):
+            for module, attr, _ in places:
+                _set_param(module, attr, shard)
+
+
+class ShardedGroup(Placed):
     """One unit's parameters of one kind (trainable or frozen), each sharded along dim 0 over the ranks."""
 
     replicated = False
@@ -142,15 +157,6 @@ class ShardedGroup:
         for held, slot in pairs:
             held.copy_(slot) if into_rows else slot.copy_(held)
 
-    def set_full(self, views) -> None:
-        for view, places in zip(views, self.places):
-            for module, attr, _ in places:         # a tied weight: the same view in every place it is used
-                _set_tensor(module, attr, view)
-
-    def set_shards(self) -> None:
-        for shard, places in zip(self.shards, self.places):
-            for module, attr, _ in places:
-                _set_param(module, attr, shard)
 
 
 class _Unshard(torch.autograd.Function):

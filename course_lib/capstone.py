@@ -1,0 +1,387 @@
+"""The capstone worker: several `ParallelPlan`s trained in ONE launch through `parallelize`, each measured four
+ways — equality with the single-process run of the same recipe, ledger bytes per mesh axis per step against the sum
+of the techniques' formulas, model-state memory per rank against ZeRO's formula, and matmul FLOPs per rank (what
+recomputation and every other technique add to the work).
+
+    jobs = [Job("5D", ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=2, recompute="selective"), cfg, tc)]
+    refs = [reference_run(j)[1] for j in jobs]                       # one process, the same recipe
+    res = launch(capstone_worker, 8, jobs, refs)                     # res[rank][job]: a dict (see `run_job`)
+
+The same worker runs unchanged under torchrun (each process computes the references itself):
+
+    torchrun --standalone --nproc-per-node 8 -m course_lib.run course_lib.capstone:torchrun_worker 2
+
+Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12) —
+with one correction, `loss_bytes_fix`, for mixed precision under tensor parallelism (below); expert parallelism's
+all-to-all bytes from the routed rows (`ep_expected_bytes`, §12); model states are ZeRO's Ψ·(e_p + e_g + K)
+divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
+plus AdamW's 4-byte step count per tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .dist.mesh import Mesh
+from .model import GPT, GPTConfig, get_config
+from .parallel_plan import ParallelPlan
+from .parallelize import parallelize
+from .train import LedgerProbe, MemoryProbe, TrainConfig
+
+GROUPS = ("pp", "dp", "cp", "tp", "ep", "edp", "dp×cp")
+STATES = ("parameters", "gradients", "optimizer")
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of a launch: `plan` on `cfg` with `tc`, the model built in `dtype` ('float64' for runs compared
+    exactly, 'float32' for the precision recipes). `timeline`: hand back the ledger's events (for the Gantt chart)."""
+    name: str
+    plan: ParallelPlan
+    cfg: GPTConfig
+    tc: TrainConfig
+    dtype: str = "float64"
+    timeline: bool = False
+    flops: bool = False                 # count matmul FLOPs (torch's FlopCounterMode: slows the run ~2×)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def reference_run(job: Job) -> tuple:
+    """One process, the same recipe (precision, and the MoE's capacity groups as the ranks decide them), the whole
+    global batch: the run every composed one must equal. Returns (losses, {name: final parameter}, matmul FLOPs per
+    step). A mixed-precision
+    recipe runs through `parallelize` on a world of one rank (its casts and fp32 masters, nothing split); call it
+    from the caller, not inside a rank."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from .parallel.expert import set_moe_groups
+    from .train import train_reference
+    if job.plan.precision is not None:
+        from .dist.launch import launch
+        return launch(_single_worker, 1, job, timeout=120)[0]
+    with _default_dtype(DTYPES[job.dtype]):
+        model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
+        if job.cfg.n_expert:
+            set_moe_groups(model, job.plan.dp * job.plan.microbatches)      # one capacity group per micro-batch
+        with FlopCounterMode(display=False) as flops:
+            ref = train_reference(job.cfg, job.tc, progress=False, model=model)
+    return ref.losses, {k: v.detach().clone() for k, v in ref.model.named_parameters()}, \
+        flops.get_total_flops() // job.tc.steps
+
+
+def _single_worker(ctx, job: Job):
+    with _default_dtype(DTYPES[job.dtype]):
+        plan = ParallelPlan(precision=job.plan.precision)
+        with parallelize(GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype]), Mesh(ctx.comm), plan,
+                         train=job.tc) as p:
+            run = p.train(job.tc.steps, keep_params=True)
+    return run.losses, run.params, None
+
+
+# ------------------------------------------------------------------------------------------------- formulas
+def loss_bytes_fix(job_p, model) -> int:
+    """Bytes `parallelize`'s expected_bytes leaves out under mixed precision with tp > 1: the vocab-parallel
+    cross-entropy's three all-reduces run on fp32 logits (the precision recipe upcasts the head's output so that the
+    loss reduces in fp32), while the formula is given the compute dtype's element size. Exact: the formula's own
+    'loss' term at 4 bytes minus it at e, on the ranks that hold the head, for each of the M micro-batches."""
+    plan, mesh, cfg = job_p.plan, job_p.mesh, model.config
+    if plan.tp == 1 or plan.precision is None:
+        return 0
+    from .parallel.tensor import tp_bytes_per_microbatch
+    pipe = next((obj for name, obj in job_p.applied if name == "pipeline split"), None)
+    head = pipe.plan.parts(mesh.pp_rank)["head"] if pipe is not None else True
+    if not head:
+        return 0
+    from .memopt.precision.recipes import get_recipe
+    b, e = job_p.batches.micro_batch_size, get_recipe(plan.precision).compute_bytes
+    term = [tp_bytes_per_microbatch(cfg, b, plan.tp, mesh.tp_rank, elem)["loss"] for elem in (4, e)]
+    return plan.microbatches * (term[0] - term[1])
+
+
+def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
+    """Bytes per step this rank sends on ep, dp and edp under expert parallelism (`apply_ep` +
+    `ExpertDataParallel`), one dict per step. ep: for every MoE layer forward the dispatch, the combine and the
+    counts of `expert_bytes_per_forward` (§12) — from the rows each rank of this ep group routed, gathered here
+    outside the ledger — and in backward the dispatch and combine rows once more. dp and edp: one ring all-reduce per
+    parameter, replicated ones over dp, expert ones over edp (`reduce_expert_parallel_grads`)."""
+    import torch.distributed as dist
+    from .dist.collective_bytes import ring_all_reduce_bytes
+    from .parallel.expert import ExpertParallelMoE, expert_bytes_per_forward, is_expert_param
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    mine = [rows for m in layers for rows in m.sent_rows]                   # (layer, forward) -> rows per ep rank
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mesh.coords, mesh.world.rank, mine))
+    ep, me = mesh.size("ep"), mesh.coords
+    group = sorted((c["dp"] % ep, rows) for c, _, rows in everyone
+                   if all(c[a] == me[a] for a in ("pp", "cp", "tp")) and c["dp"] // ep == me["dp"] // ep)
+    sent = [rows for _, rows in group]
+    r, per_layer = me["dp"] % ep, len(mine) // max(len(layers), 1)
+    steps = per_layer // micro_batches
+    out = []
+    for s in range(steps):
+        total = 0
+        for li in range(len(layers)):
+            for f in range(s * micro_batches, (s + 1) * micro_batches):
+                i = li * per_layer + f
+                parts = expert_bytes_per_forward(sent[r][i], [sent[j][i][r] for j in range(ep)], r, model.config.d_model,
+                                                 elem, layers[0].local)
+                total += 2 * (parts["dispatch"] + parts["combine"]) + parts["counts"]
+        out.append({"ep": total})
+    dp, edp = mesh["dp"], mesh["edp"]
+    for name, p in model.named_parameters():
+        comm = edp if is_expert_param(name) else dp
+        if comm.world_size > 1:
+            n = ring_all_reduce_bytes(p.numel(), comm.world_size, comm.rank, elem)
+            for step in out:
+                step[comm.name] = step.get(comm.name, 0) + n
+    return out
+
+
+def extra_flops(job: Job) -> int:
+    """Matmul FLOPs per step that `job`'s technique adds on all ranks together, beyond one process's
+    3·(L·block forward + head) (formulas §8: forward 1×, backward 2×). Recomputation reruns what its plan drops
+    (`plan_extra` over `formula_costs`, exact); ring attention recomputes each K/V block's scores QKᵀ in backward —
+    with the zig-zag split every one of the cp blocks of every rank has a visible pair, so each rank recomputes cp
+    blocks of 2·b·(T/cp)²·d per layer and micro-batch. Everything else reorders or splits the same matmuls: 0."""
+    from .memopt.recompute import make_plan
+    from .memopt.recompute_plan import formula_costs, plan_extra
+    plan, cfg, B = job.plan, job.cfg, job.tc.batch_size
+    if plan.recompute is not None:
+        return plan_extra(make_plan(plan.recompute, cfg.n_layer), formula_costs(cfg, B))
+    if plan.cp > 1:
+        b = B // (plan.dp * plan.microbatches)
+        per_rank = cfg.n_layer * plan.microbatches * plan.cp * 2 * b * (cfg.seq_len // plan.cp) ** 2 * cfg.d_model
+        return per_rank * plan.world_size
+    return 0
+
+
+def base_flops(cfg, batch_size: int) -> int:
+    """One process's matmul FLOPs per training step: 3·(L·block forward + the head's 2·B·T·d·V)."""
+    from .memopt.recompute_plan import formula_costs
+    costs = formula_costs(cfg, batch_size)
+    return 3 * (sum(b.fwd_flops for b in costs.blocks) + 2 * batch_size * cfg.seq_len * cfg.d_model * cfg.vocab_size)
+
+
+def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: int = 4) -> dict:
+    """Model states per rank after an optimizer step, by category: ZeRO's formula over the P elements this rank's
+    dp group shards (`layout`: P, the optimizer's elements P_opt, its tensors K), with the recipe's bytes:
+    compute copy e_c for parameters and gradients, optimizer fp32 master (4, if the recipe keeps one) + Adam's m
+    and v (2·e_state) + AdamW's step count per tensor (`step_elem`: a scalar tensor of the default dtype). Optimizer offload moves the whole optimizer off the
+    device. Returns device bytes."""
+    from .memopt.precision.recipes import get_recipe
+    from .parallel.zero import model_state_bytes
+    if plan.precision is None:
+        e_c, master, e_s = model_elem, 0, model_elem
+    else:
+        r = get_recipe(plan.precision)
+        e_c, master, e_s = r.compute_bytes, 4 if r.master_weights else 0, r.state_bytes
+    n = plan.dp * plan.cp
+    if plan.ep > 1:
+        n = 1                                  # expert parallelism: DDP-style reduction, nothing sharded
+    if plan.zero == 3 and master:              # FSDP under bf16: the fp32 shards are the masters and the parameters
+        e_c, master = 4, 0
+    out = model_state_bytes(layout["P"], n, plan.zero, param=e_c, grad=e_c, optim=0)
+    for c in ("parameters", "gradients"):      # FSDP: what it leaves whole on every rank (fsdp_replicate)
+        out[c] += e_c * layout.get("R", 0)
+    stepped = layout.get("stepped", True)
+    shard = layout["P_opt"] // (n if plan.zero in (1, 2) else 1)
+    out["optimizer"] = (master + 2 * e_s * stepped) * shard + step_elem * layout["K"] * stepped
+    if plan.offload_optimizer is not None:
+        out["optimizer"] = 0
+    return out
+
+
+def _layout(p) -> dict:
+    """P (what ZeRO shards, padded to the dp group), P_opt (what the optimizer steps), K (its tensors), psi (the
+    trainable elements this rank holds, as the model holds them)."""
+    from .parallel.zero import ShardedOptimizer
+    opt, held = p.optimizer, [t for _, t in p.named_parameters() if t.requires_grad]
+    psi = sum(t.numel() for t in held)
+    scaler = next((getattr(o, "scaler", None) for name, o in p.applied if name == "precision"), None)
+    history = scaler.history if scaler is not None else []           # (scale, overflowed) per step
+    skipped = sum(inf for _, inf in history)
+    out = {"stepped": skipped == 0 or skipped < len(history), "skipped": skipped}
+    if isinstance(opt, ShardedOptimizer):
+        return {**out, "P": opt.padded_numel, "P_opt": opt.padded_numel, "K": opt.num_shards, "psi": psi}
+    if p.plan.zero == 3:
+        fsdp = p.model
+        return {**out, "P": fsdp.padded_numel, "P_opt": fsdp.local_numel, "K": len(list(fsdp.parameters())),
+                "psi": fsdp.local_numel, "R": sum(fsdp.replicated_numel)}
+    return {**out, "P": psi, "P_opt": psi, "K": len(held), "psi": psi}
+
+
+# ------------------------------------------------------------------------------------------------- the worker
+def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
+    """Train `job` on this rank; return what it measured: losses, max |Δ| against `reference` (this rank's shard of
+    each parameter), bytes per step by mesh group and the formulas', model states after the last step and their
+    formula, the peak of each memory category, matmul FLOPs per step, and (timeline) the ledger."""
+    from torch.utils.flop_counter import FlopCounterMode
+    plan, dtype = job.plan, DTYPES[job.dtype]
+    with _default_dtype(dtype):
+        mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
+        ctx.comm.ledger.reset()
+        model = GPT(job.cfg, seed=job.tc.seed).to(dtype)
+        with parallelize(model, mesh, plan, train=job.tc) as p:
+            e = next(p.model.parameters()).element_size() if plan.zero != 3 else dtype.itemsize
+            mem = MemoryProbe(timeline=False)
+            with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
+                run = p.train(job.tc.steps, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS), mem])
+            want = {g: n for g, n in p.expected_bytes.items() if n}
+            if "tp" in want:
+                want["tp"] += loss_bytes_fix(p, model)
+            wants = [want] * job.tc.steps
+            if plan.ep > 1:                     # parallelize has no formula for the expert all-to-alls: here
+                wants = ep_expected_bytes(model, mesh, plan.microbatches, e)
+            out = {"losses": run.losses, "coords": mesh.coords,
+                   "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
+                   "want": wants, "layout": _layout(p),
+                   "state": {c: run["memory"]["after_step"][-1][c] for c in STATES},
+                   "peak": dict(run["memory"]["report"].max_by_category),
+                   "flops": flops.get_total_flops() // job.tc.steps if job.flops else None,
+                   "names": sorted(run.params)}
+            out["state_formula"] = state_formula(plan, out["layout"], e, dtype.itemsize)
+            if reference is not None:
+                out["err"] = max(((v.double() - p.local_shard(k, reference[k]).double()).abs().max().item()
+                                  for k, v in run.params.items()), default=0.0)
+            if job.timeline:                    # a copy: the next job of this launch resets the ledger
+                out["ledger"] = copy.deepcopy(ctx.comm.ledger)
+    return out
+
+
+@dataclass(frozen=True)
+class GridJob:
+    """One linear layer Y = X·W (X: R×K, W: K×N) on a 1D, 2D, 2.5D or 3D tensor-parallel grid (`GridLinear`)."""
+    name: str
+    kind: str
+    R: int = 16
+    K: int = 16
+    N: int = 16
+    depth: int = 1
+
+
+def run_grid(ctx, job: GridJob) -> dict:
+    """Forward + backward of `GridLinear` on this rank (float64): error against nn.Linear, bytes sent, parameters
+    and saved activations held (the memory accountant), matmul FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from .memory import MemoryTracker
+    from .parallel.tensor import GridLinear, make_grid
+    g = torch.Generator().manual_seed(0)
+    X, dY, W = (torch.randn(*shape, dtype=torch.float64, generator=g)
+                for shape in ((job.R, job.K), (job.R, job.N), (job.N, job.K)))
+    linear = torch.nn.Linear(job.K, job.N, bias=False).double()
+    with torch.no_grad():
+        linear.weight.copy_(W)
+    grid = make_grid(ctx.comm, job.kind, depth=job.depth)
+    layer = GridLinear(linear, grid)
+    x = grid.piece(X, "input").clone().requires_grad_(True)
+    ctx.comm.ledger.reset()
+    with FlopCounterMode(display=False) as flops, MemoryTracker(timeline=False) as mem:
+        mem.watch(layer)
+        y = layer(x)
+        held = {c: mem.current[c] for c in ("parameters", "activations")}
+        y.backward(grid.piece(dY, "output"))
+    err = max((y - grid.piece(X @ W.T, "output")).abs().max().item(),
+              (layer.weight.grad - grid.piece((dY.T @ X).T, "weight")).abs().max().item())
+    return {"err": err, "sent": ctx.comm.ledger.bytes_sent(), "held": held, "q": grid.q, "d": grid.d,
+            "depth_rank": grid.coords.get("l", 0), "flops": flops.get_total_flops()}
+
+
+def capstone_worker(ctx, jobs, references=None) -> list:
+    """Every job of `jobs` on these ranks, one after the other (one launch: the process start is paid once)."""
+    references = references or [None] * len(jobs)
+    return [run_grid(ctx, job) if isinstance(job, GridJob) else run_job(ctx, job, ref)
+            for job, ref in zip(jobs, references)]
+
+
+# ------------------------------------------------------------------------------------------------- torchrun
+CONFIG = dict(n_layer=4, n_head=4, d_model=32, seq_len=16)
+
+
+def composed_shape(world_size: int) -> dict:
+    """pp × dp × tp for `world_size` ranks: tp = 2 and pp = 2 where the world divides, dp the rest (8 → 2 × 2 × 2)."""
+    tp = 2 if world_size % 2 == 0 else 1
+    pp = 2 if (world_size // tp) % 2 == 0 else 1
+    return {"pp": pp, "dp": world_size // (pp * tp), "tp": tp}
+
+
+def capstone_jobs(steps: int = 2, world_size: int = 8, seed: int = 0) -> list:
+    """The composed run of the capstone: pp × dp × tp (2 × 2 × 2 on 8 ranks), ZeRO-1, 1F1B over 2 micro-batches,
+    selective recomputation — in float64 (equal to one process to rounding) and under bf16 mixed precision."""
+    cfg = get_config("nano", **CONFIG)
+    shape = composed_shape(world_size)
+    tc = TrainConfig(steps=steps, batch_size=4 * shape["dp"], lr=1e-3, seed=seed, data_seed=seed)
+    plan = dict(**shape, zero=1, schedule="1f1b", microbatches=2, recompute="selective")
+    return [Job("composed, float64", ParallelPlan(**plan), cfg, tc, "float64", timeline=True),
+            Job("composed, bf16", ParallelPlan(**plan, precision="bf16"), cfg, tc, "float32")]
+
+
+def shape_jobs(steps: int = 2, seed: int = 0) -> list:
+    """Context and expert parallelism on 4 ranks (`ParallelPlan.check` refuses cp and an MoE model with tp or pp,
+    so these are cp × dp and ep × dp): float64, equal to one process."""
+    cfg = get_config("nano", **CONFIG)
+    tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
+    return [Job("CP × DP", ParallelPlan(dp=2, cp=2, zero=1), cfg, tc),
+            Job("EP × DP", ParallelPlan(dp=4, ep=2), MOE, tc)]
+
+
+MOE = get_config("nano", **{**CONFIG, "n_layer": 2}, n_expert=4, top_k=2)        # 2 MoE layers of 4 experts
+SURVEY_WORLD = 2
+
+
+def survey_jobs(steps: int = 1, seed: int = 0) -> list:
+    """One job per technique of the survey's table, on 2 ranks, fp32, the same global batch; a 2-layer model (the
+    interleaved schedule needs 4: two chunks on each of two stages)."""
+    cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
+    tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
+    P = ParallelPlan
+    pipe = dict(pp=2, zero=1, microbatches=2)
+    rows = [("DDP", P(dp=2)), ("ZeRO-1", P(dp=2, zero=1)), ("ZeRO-2", P(dp=2, zero=2)), ("ZeRO-3", P(dp=2, zero=3)),
+            ("FSDP, norms+biases replicated", P(dp=2, zero=3, fsdp_replicate="norms+biases")),
+            ("pipeline GPipe", P(**pipe, schedule="gpipe")), ("pipeline 1F1B", P(**pipe)),
+            ("pipeline ZB-H1", P(**pipe, schedule="zb_h1")),
+            ("TP 1D (Megatron)", P(tp=2)), ("TP + SP", P(tp=2, sequence_parallel=True)),
+            ("CP (ring, zig-zag)", P(cp=2)), ("EP (2 MoE layers)", P(dp=2, ep=2)),
+            ("offload activations", P(dp=2, offload_activations=True)),
+            ("offload optimizer (host)", P(dp=2, zero=1, offload_optimizer="host", precision="bf16")),
+            ("offload optimizer (disk)", P(dp=2, zero=1, offload_optimizer="disk", precision="bf16")),
+            ("recompute full", P(dp=2, recompute="full")), ("recompute selective", P(dp=2, recompute="selective")),
+            ("recompute √n", P(dp=2, recompute="sqrt")),
+            ("bf16 mixed precision", P(dp=2, precision="bf16")), ("fp16 + loss scaling", P(dp=2, precision="fp16"))]
+    jobs = [Job(name, plan, MOE if plan.ep > 1 else cfg, tc, "float32", flops=True) for name, plan in rows]
+    jobs.insert(8, Job("pipeline interleaved (4 layers)", P(**pipe, schedule="interleaved", chunks=2),
+                       get_config("nano", **CONFIG), tc, "float32", flops=True))
+    return jobs
+
+
+def torchrun_worker(ctx, steps: str = "2") -> dict:
+    """`python -m torch.distributed.run --standalone --nproc-per-node 8 -m course_lib.run
+    course_lib.capstone:torchrun_worker 2`: the capstone's float64 composed run on however many ranks torchrun
+    started (`composed_shape`), checked on every rank against one process (computed here, on each rank: the whole
+    job is tiny). Returns a one-line summary per rank."""
+    job = capstone_jobs(int(steps), ctx.world_size)[0]
+    losses, ref, _ = reference_run(job)
+    r = run_job(ctx, job, ref)
+    loss = r["losses"][-1]
+    return {"err": r["err"], "bytes_equal": r["bytes"] == r["want"], "want": r["want"][0],
+            "state_equal": r["state"] == r["state_formula"],
+            "loss_err": abs(loss - losses[-1]) if loss == loss else None}
+
+
+__all__ = ["Job", "GridJob", "run_grid", "extra_flops", "base_flops", "run_job", "capstone_worker", "reference_run", "state_formula", "loss_bytes_fix",
+           "ep_expected_bytes", "MOE", "SURVEY_WORLD", "composed_shape", "capstone_jobs", "shape_jobs", "survey_jobs", "torchrun_worker", "GROUPS", "STATES"]

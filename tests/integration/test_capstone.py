@@ -1,0 +1,37 @@
+"""The capstone's worker (`course_lib.capstone`) runs unchanged under torchrun: `torch.distributed.run --standalone`
+starts the ranks (env:// rendezvous, gloo on CPU), `course_lib.run` hands each its rank, and the composed run —
+pp × dp × tp with ZeRO-1, 1F1B and selective recomputation, float64 — equals one process on every rank (1e-12),
+sends exactly the formulas' bytes on every mesh axis and holds exactly the formula's model states. The notebook
+(13) runs the same worker through `launch`; the README gives the multi-node command lines (NCCL on GPUs)."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course_lib.capstone import composed_shape
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+NPROC = 4                   # pp × dp × tp = 2 × 1 × 2: a pipeline of tensor-parallel stages (8 in the notebook)
+
+
+def test_the_capstone_worker_runs_unchanged_under_torchrun(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+           "-m", "course_lib.run", "course_lib.capstone:torchrun_worker", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == NPROC, out.stdout
+    assert composed_shape(NPROC) == {"pp": 2, "dp": 1, "tp": 2}
+    for i, line in enumerate(lines):
+        r = ast.literal_eval(line.split(": ", 1)[1])
+        assert r["err"] < 1e-12, (i, r)                     # float64: one process's parameters to rounding
+        assert r["bytes_equal"] and r["state_equal"], (i, r)
+        assert set(r["want"]) == {"pp", "tp"}, (i, r)       # dp = 1: nothing to reduce
+        if r["loss_err"] is not None:                       # the last stage computes the loss
+            assert r["loss_err"] < 1e-12, (i, r)

@@ -47,6 +47,8 @@ class Job:
     dtype: str = "float64"
     timeline: bool = False
     flops: bool = False                 # count matmul FLOPs (torch's FlopCounterMode: slows the run ~2×)
+    checkpoint: str | None = None       # after every step: 'sync' | 'async' (CheckFreq) to `root`, 'peer' (Gemini)
+    root: str | None = None             # the checkpoint directory (shared by the ranks of one machine)
 
     @property
     def world_size(self) -> int:
@@ -233,15 +235,22 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
     formula, the peak of each memory category, matmul FLOPs per step, and (timeline) the ledger."""
     from torch.utils.flop_counter import FlopCounterMode
     plan, dtype = job.plan, DTYPES[job.dtype]
-    with _default_dtype(dtype):
+    device = getattr(ctx, "device", torch.device("cpu"))
+    # NCCL (under torchrun on GPUs): what the library creates goes to this rank's GPU; nothing changes on CPU
+    on_device = torch.device(device) if device.type != "cpu" else contextlib.nullcontext()
+    with _default_dtype(dtype), on_device:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
         ctx.comm.ledger.reset()
         model = GPT(job.cfg, seed=job.tc.seed).to(dtype)
         with parallelize(model, mesh, plan, train=job.tc) as p:
             e = next(p.model.parameters()).element_size() if plan.zero != 3 else dtype.itemsize
             mem = MemoryProbe(timeline=False)
+            probes, host = [LedgerProbe(ctx.comm, groups=GROUPS), mem], None
+            if job.checkpoint is not None:
+                probes.append(_checkpoint_probe(job))
+                host = getattr(probes[-1], "memory", None)
             with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
-                run = p.train(job.tc.steps, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS), mem])
+                run = p.train(job.tc.steps, keep_params=True, probes=probes)
             want = {g: n for g, n in p.expected_bytes.items() if n}
             if "tp" in want:
                 want["tp"] += loss_bytes_fix(p, model)
@@ -257,8 +266,10 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
                    "names": sorted(run.params)}
             out["state_formula"] = state_formula(plan, out["layout"], e, dtype.itemsize)
             if reference is not None:
-                out["err"] = max(((v.double() - p.local_shard(k, reference[k]).double()).abs().max().item()
+                out["err"] = max(((v.double() - p.local_shard(k, reference[k].to(v.device)).double()).abs().max().item()
                                   for k, v in run.params.items()), default=0.0)
+            if job.checkpoint is not None:
+                out["checkpoint"] = _checkpoint_measures(ctx, job, run, host)
             if job.timeline:                    # a copy: the next job of this launch resets the ledger
                 out["ledger"] = copy.deepcopy(ctx.comm.ledger)
     return out
@@ -300,6 +311,30 @@ def run_grid(ctx, job: GridJob) -> dict:
               (layer.weight.grad - grid.piece((dY.T @ X).T, "weight")).abs().max().item())
     return {"err": err, "sent": ctx.comm.ledger.bytes_sent(), "held": held, "q": grid.q, "d": grid.d,
             "depth_rank": grid.coords.get("l", 0), "flops": flops.get_total_flops()}
+
+
+def _checkpoint_probe(job: Job):
+    from .resilience.async_ckpt import CheckpointProbe
+    from .resilience.peer import HostMemory, PeerCheckpointProbe
+    if job.checkpoint == "peer":
+        return PeerCheckpointProbe(HostMemory(job.root), every=1)
+    return CheckpointProbe(job.root, every=1, asynchronous=job.checkpoint == "async")
+
+
+def _checkpoint_measures(ctx, job: Job, run, host) -> dict:
+    """What a checkpoint cost this rank at the last step: its snapshot's bytes (parameters and optimizer state as
+    held, and the generators' states), the bytes it sent (in-memory copies on peers: one ring shift) and, on rank 0,
+    every byte the checkpoints left on disk (tensors, headers, meta.json, manifest) or in host memory."""
+    import os
+    events = run["checkpoint" if job.checkpoint != "peer" else "peer"]
+    sent = sum(v["sent"] for t, v in ctx.comm.ledger.by("tag").items() if str(t).startswith("gemini"))
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(job.root) for f in fs) \
+        if ctx.rank == 0 else None
+    return {"bytes": events[-1]["bytes"], "sent": sent, "stored": on_disk,
+            "host": host.nbytes(ctx.rank) if host is not None else None}
+
+
+RNG_BYTES = 5056 + 624 * 8   # torch's CPU generator state (MT19937 + Philox) and numpy's 624-word MT19937 as int64
 
 
 def capstone_worker(ctx, jobs, references=None) -> list:
@@ -344,9 +379,10 @@ MOE = get_config("nano", **{**CONFIG, "n_layer": 2}, n_expert=4, top_k=2)       
 SURVEY_WORLD = 2
 
 
-def survey_jobs(steps: int = 1, seed: int = 0) -> list:
+def survey_jobs(steps: int = 1, seed: int = 0, root: str | None = None) -> list:
     """One job per technique of the survey's table, on 2 ranks, fp32, the same global batch; a 2-layer model (the
-    interleaved schedule needs 4: two chunks on each of two stages)."""
+    interleaved schedule needs 4: two chunks on each of two stages). `root`: a directory for the checkpoint rows
+    (each writes into its own sub-directory)."""
     cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
     P = ParallelPlan
@@ -366,6 +402,11 @@ def survey_jobs(steps: int = 1, seed: int = 0) -> list:
     jobs = [Job(name, plan, MOE if plan.ep > 1 else cfg, tc, "float32", flops=True) for name, plan in rows]
     jobs.insert(8, Job("pipeline interleaved (4 layers)", P(**pipe, schedule="interleaved", chunks=2),
                        get_config("nano", **CONFIG), tc, "float32", flops=True))
+    if root is not None:
+        for kind, name in (("sync", "checkpoint, synchronous"), ("async", "checkpoint, asynchronous (CheckFreq)"),
+                           ("peer", "checkpoint in peers' memory (Gemini)")):
+            jobs.append(Job(name, P(dp=2), cfg, tc, "float32", flops=True, checkpoint=kind,
+                            root=f"{root}/{kind}"))
     return jobs
 
 
@@ -384,4 +425,4 @@ def torchrun_worker(ctx, steps: str = "2") -> dict:
 
 
 __all__ = ["Job", "GridJob", "run_grid", "extra_flops", "base_flops", "run_job", "capstone_worker", "reference_run", "state_formula", "loss_bytes_fix",
-           "ep_expected_bytes", "MOE", "SURVEY_WORLD", "composed_shape", "capstone_jobs", "shape_jobs", "survey_jobs", "torchrun_worker", "GROUPS", "STATES"]
+           "ep_expected_bytes", "MOE", "SURVEY_WORLD", "RNG_BYTES", "composed_shape", "capstone_jobs", "shape_jobs", "survey_jobs", "torchrun_worker", "GROUPS", "STATES"]

@@ -68,7 +68,7 @@ def _default_dtype(dtype: torch.dtype):
 def reference_run(job: Job) -> tuple:
     """One process, the same recipe (precision, and the MoE's capacity groups as the ranks decide them), the whole
     global batch: the run every composed one must equal. Returns (losses, {name: final parameter}, matmul FLOPs per
-    step). A mixed-precision
+    step if `job.flops`). A mixed-precision
     recipe runs through `parallelize` on a world of one rank (its casts and fp32 masters, nothing split); call it
     from the caller, not inside a rank."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -81,10 +81,10 @@ def reference_run(job: Job) -> tuple:
         model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
         if job.cfg.n_expert:
             set_moe_groups(model, job.plan.dp * job.plan.microbatches)      # one capacity group per micro-batch
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
             ref = train_reference(job.cfg, job.tc, progress=False, model=model)
     return ref.losses, {k: v.detach().clone() for k, v in ref.model.named_parameters()}, \
-        flops.get_total_flops() // job.tc.steps
+        flops.get_total_flops() // job.tc.steps if job.flops else None
 
 
 def _single_worker(ctx, job: Job):
@@ -153,31 +153,6 @@ def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
             for step in out:
                 step[comm.name] = step.get(comm.name, 0) + n
     return out
-
-
-def extra_flops(job: Job) -> int:
-    """Matmul FLOPs per step that `job`'s technique adds on all ranks together, beyond one process's
-    3·(L·block forward + head) (formulas §8: forward 1×, backward 2×). Recomputation reruns what its plan drops
-    (`plan_extra` over `formula_costs`, exact); ring attention recomputes each K/V block's scores QKᵀ in backward —
-    with the zig-zag split every one of the cp blocks of every rank has a visible pair, so each rank recomputes cp
-    blocks of 2·b·(T/cp)²·d per layer and micro-batch. Everything else reorders or splits the same matmuls: 0."""
-    from .memopt.recompute import make_plan
-    from .memopt.recompute_plan import formula_costs, plan_extra
-    plan, cfg, B = job.plan, job.cfg, job.tc.batch_size
-    if plan.recompute is not None:
-        return plan_extra(make_plan(plan.recompute, cfg.n_layer), formula_costs(cfg, B))
-    if plan.cp > 1:
-        b = B // (plan.dp * plan.microbatches)
-        per_rank = cfg.n_layer * plan.microbatches * plan.cp * 2 * b * (cfg.seq_len // plan.cp) ** 2 * cfg.d_model
-        return per_rank * plan.world_size
-    return 0
-
-
-def base_flops(cfg, batch_size: int) -> int:
-    """One process's matmul FLOPs per training step: 3·(L·block forward + the head's 2·B·T·d·V)."""
-    from .memopt.recompute_plan import formula_costs
-    costs = formula_costs(cfg, batch_size)
-    return 3 * (sum(b.fwd_flops for b in costs.blocks) + 2 * batch_size * cfg.seq_len * cfg.d_model * cfg.vocab_size)
 
 
 def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: int = 4) -> dict:
@@ -275,44 +250,6 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
     return out
 
 
-@dataclass(frozen=True)
-class GridJob:
-    """One linear layer Y = X·W (X: R×K, W: K×N) on a 1D, 2D, 2.5D or 3D tensor-parallel grid (`GridLinear`)."""
-    name: str
-    kind: str
-    R: int = 16
-    K: int = 16
-    N: int = 16
-    depth: int = 1
-
-
-def run_grid(ctx, job: GridJob) -> dict:
-    """Forward + backward of `GridLinear` on this rank (float64): error against nn.Linear, bytes sent, parameters
-    and saved activations held (the memory accountant), matmul FLOPs."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from .memory import MemoryTracker
-    from .parallel.tensor import GridLinear, make_grid
-    g = torch.Generator().manual_seed(0)
-    X, dY, W = (torch.randn(*shape, dtype=torch.float64, generator=g)
-                for shape in ((job.R, job.K), (job.R, job.N), (job.N, job.K)))
-    linear = torch.nn.Linear(job.K, job.N, bias=False).double()
-    with torch.no_grad():
-        linear.weight.copy_(W)
-    grid = make_grid(ctx.comm, job.kind, depth=job.depth)
-    layer = GridLinear(linear, grid)
-    x = grid.piece(X, "input").clone().requires_grad_(True)
-    ctx.comm.ledger.reset()
-    with FlopCounterMode(display=False) as flops, MemoryTracker(timeline=False) as mem:
-        mem.watch(layer)
-        y = layer(x)
-        held = {c: mem.current[c] for c in ("parameters", "activations")}
-        y.backward(grid.piece(dY, "output"))
-    err = max((y - grid.piece(X @ W.T, "output")).abs().max().item(),
-              (layer.weight.grad - grid.piece((dY.T @ X).T, "weight")).abs().max().item())
-    return {"err": err, "sent": ctx.comm.ledger.bytes_sent(), "held": held, "q": grid.q, "d": grid.d,
-            "depth_rank": grid.coords.get("l", 0), "flops": flops.get_total_flops()}
-
-
 def _checkpoint_probe(job: Job):
     from .resilience.async_ckpt import CheckpointProbe
     from .resilience.peer import HostMemory, PeerCheckpointProbe
@@ -334,18 +271,15 @@ def _checkpoint_measures(ctx, job: Job, run, host) -> dict:
             "host": host.nbytes(ctx.rank) if host is not None else None}
 
 
-RNG_BYTES = 5056 + 624 * 8   # torch's CPU generator state (MT19937 + Philox) and numpy's 624-word MT19937 as int64
-
-
 def capstone_worker(ctx, jobs, references=None) -> list:
     """Every job of `jobs` on these ranks, one after the other (one launch: the process start is paid once)."""
     references = references or [None] * len(jobs)
-    return [run_grid(ctx, job) if isinstance(job, GridJob) else run_job(ctx, job, ref)
-            for job, ref in zip(jobs, references)]
+    return [run_job(ctx, job, ref) for job, ref in zip(jobs, references)]
 
 
 # ------------------------------------------------------------------------------------------------- torchrun
 CONFIG = dict(n_layer=4, n_head=4, d_model=32, seq_len=16)
+MOE = get_config("nano", **{**CONFIG, "n_layer": 2}, n_expert=4, top_k=2)        # 2 MoE layers of 4 experts
 
 
 def composed_shape(world_size: int) -> dict:
@@ -360,7 +294,7 @@ def capstone_jobs(steps: int = 2, world_size: int = 8, seed: int = 0) -> list:
     selective recomputation — in float64 (equal to one process to rounding) and under bf16 mixed precision."""
     cfg = get_config("nano", **CONFIG)
     shape = composed_shape(world_size)
-    tc = TrainConfig(steps=steps, batch_size=4 * shape["dp"], lr=1e-3, seed=seed, data_seed=seed)
+    tc = TrainConfig(steps=steps, batch_size=4 * shape["dp"], lr=2e-3, seed=seed, data_seed=seed)
     plan = dict(**shape, zero=1, schedule="1f1b", microbatches=2, recompute="selective")
     return [Job("composed, float64", ParallelPlan(**plan), cfg, tc, "float64", timeline=True),
             Job("composed, bf16", ParallelPlan(**plan, precision="bf16"), cfg, tc, "float32")]
@@ -373,41 +307,6 @@ def shape_jobs(steps: int = 2, seed: int = 0) -> list:
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
     return [Job("CP × DP", ParallelPlan(dp=2, cp=2, zero=1), cfg, tc),
             Job("EP × DP", ParallelPlan(dp=4, ep=2), MOE, tc)]
-
-
-MOE = get_config("nano", **{**CONFIG, "n_layer": 2}, n_expert=4, top_k=2)        # 2 MoE layers of 4 experts
-SURVEY_WORLD = 2
-
-
-def survey_jobs(steps: int = 1, seed: int = 0, root: str | None = None) -> list:
-    """One job per technique of the survey's table, on 2 ranks, fp32, the same global batch; a 2-layer model (the
-    interleaved schedule needs 4: two chunks on each of two stages). `root`: a directory for the checkpoint rows
-    (each writes into its own sub-directory)."""
-    cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
-    tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
-    P = ParallelPlan
-    pipe = dict(pp=2, zero=1, microbatches=2)
-    rows = [("DDP", P(dp=2)), ("ZeRO-1", P(dp=2, zero=1)), ("ZeRO-2", P(dp=2, zero=2)), ("ZeRO-3", P(dp=2, zero=3)),
-            ("FSDP, norms+biases replicated", P(dp=2, zero=3, fsdp_replicate="norms+biases")),
-            ("pipeline GPipe", P(**pipe, schedule="gpipe")), ("pipeline 1F1B", P(**pipe)),
-            ("pipeline ZB-H1", P(**pipe, schedule="zb_h1")),
-            ("TP 1D (Megatron)", P(tp=2)), ("TP + SP", P(tp=2, sequence_parallel=True)),
-            ("CP (ring, zig-zag)", P(cp=2)), ("EP (2 MoE layers)", P(dp=2, ep=2)),
-            ("offload activations", P(dp=2, offload_activations=True)),
-            ("offload optimizer (host)", P(dp=2, zero=1, offload_optimizer="host", precision="bf16")),
-            ("offload optimizer (disk)", P(dp=2, zero=1, offload_optimizer="disk", precision="bf16")),
-            ("recompute full", P(dp=2, recompute="full")), ("recompute selective", P(dp=2, recompute="selective")),
-            ("recompute √n", P(dp=2, recompute="sqrt")),
-            ("bf16 mixed precision", P(dp=2, precision="bf16")), ("fp16 + loss scaling", P(dp=2, precision="fp16"))]
-    jobs = [Job(name, plan, MOE if plan.ep > 1 else cfg, tc, "float32", flops=True) for name, plan in rows]
-    jobs.insert(8, Job("pipeline interleaved (4 layers)", P(**pipe, schedule="interleaved", chunks=2),
-                       get_config("nano", **CONFIG), tc, "float32", flops=True))
-    if root is not None:
-        for kind, name in (("sync", "checkpoint, synchronous"), ("async", "checkpoint, asynchronous (CheckFreq)"),
-                           ("peer", "checkpoint in peers' memory (Gemini)")):
-            jobs.append(Job(name, P(dp=2), cfg, tc, "float32", flops=True, checkpoint=kind,
-                            root=f"{root}/{kind}"))
-    return jobs
 
 
 def torchrun_worker(ctx, steps: str = "2") -> dict:
@@ -424,5 +323,5 @@ def torchrun_worker(ctx, steps: str = "2") -> dict:
             "loss_err": abs(loss - losses[-1]) if loss == loss else None}
 
 
-__all__ = ["Job", "GridJob", "run_grid", "extra_flops", "base_flops", "run_job", "capstone_worker", "reference_run", "state_formula", "loss_bytes_fix",
-           "ep_expected_bytes", "MOE", "SURVEY_WORLD", "RNG_BYTES", "composed_shape", "capstone_jobs", "shape_jobs", "survey_jobs", "torchrun_worker", "GROUPS", "STATES"]
+__all__ = ["Job", "run_job", "capstone_worker", "reference_run", "state_formula", "loss_bytes_fix",
+           "ep_expected_bytes", "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "torchrun_worker", "GROUPS", "STATES"]

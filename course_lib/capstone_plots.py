@@ -22,12 +22,14 @@ def plot_axis_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", co
     seen = set()
     for row, L in enumerate(ledgers):
         y = len(ledgers) - 1 - row
+        bars: dict = {}                       # one broken_barh per rank and colour (thousands of spans per step)
         for e in L.events:
             key = "compute" if e.kind == "compute" else e.group
+            bars.setdefault(key, []).append(((e.t0 - t0) * 1e3, max((e.t1 - e.t0) * 1e3, 1e-3)))
+        for key, spans in bars.items():
             seen.add(key)
             lane = (y + 0.42, 0.38) if key == "compute" else (y + 0.02, 0.37)
-            ax.broken_barh([((e.t0 - t0) * 1e3, max((e.t1 - e.t0) * 1e3, 1e-3))], lane,
-                           facecolors=AXIS_COLORS.get(key, "#999999"), edgecolor="none")
+            ax.broken_barh(spans, lane, facecolors=AXIS_COLORS.get(key, "#999999"), edgecolor="none")
     ax.set_yticks([len(ledgers) - 1 - i + 0.4 for i in range(len(ledgers))])
     names = [f"rank {L.rank}" for L in ledgers]
     if coords is not None:

@@ -141,8 +141,8 @@ def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
         for li in range(len(layers)):
             for f in range(s * micro_batches, (s + 1) * micro_batches):
                 i = li * per_layer + f
-                parts = expert_bytes_per_forward(sent[r][i], [sent[j][i][r] for j in range(ep)], r, model.config.d_model,
-                                                 elem, layers[0].local)
+                parts = expert_bytes_per_forward(sent[r][i], [sent[j][i][r] for j in range(ep)], r,
+                                                 model.config.d_model, elem, layers[0].local)
                 total += 2 * (parts["dispatch"] + parts["combine"]) + parts["counts"]
         out.append({"ep": total})
     dp, edp = mesh["dp"], mesh["edp"]
@@ -156,11 +156,13 @@ def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
 
 
 def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: int = 4) -> dict:
-    """Model states per rank after an optimizer step, by category: ZeRO's formula over the P elements this rank's
-    dp group shards (`layout`: P, the optimizer's elements P_opt, its tensors K), with the recipe's bytes:
-    compute copy e_c for parameters and gradients, optimizer fp32 master (4, if the recipe keeps one) + Adam's m
-    and v (2·e_state) + AdamW's step count per tensor (`step_elem`: a scalar tensor of the default dtype). Optimizer offload moves the whole optimizer off the
-    device. Returns device bytes."""
+    """Model states per rank after an optimizer step, by category (device bytes): ZeRO's formula over the P elements
+    this rank's dp group shards (`layout`: P, the optimizer's elements P_opt, its tensors K, what FSDP leaves whole
+    R), with the recipe's bytes — the compute copy e_c for parameters and gradients; for the optimizer an fp32
+    master (4, if the recipe keeps one) + Adam's m and v (2·e_state) + AdamW's step count per tensor (`step_elem`: a
+    scalar of the default dtype). m, v and the counts exist once a step was taken: fp16's loss scaler skips the
+    steps whose gradients overflowed (`layout['stepped']`). Optimizer offload moves the whole optimizer off the
+    device."""
     from .memopt.precision.recipes import get_recipe
     from .parallel.zero import model_state_bytes
     if plan.precision is None:
@@ -283,7 +285,7 @@ MOE = get_config("nano", **{**CONFIG, "n_layer": 2}, n_expert=4, top_k=2)       
 
 
 def composed_shape(world_size: int) -> dict:
-    """pp × dp × tp for `world_size` ranks: tp = 2 and pp = 2 where the world divides, dp the rest (8 → 2 × 2 × 2)."""
+    """pp × dp × tp for `world_size` ranks: tp = 2 and pp = 2 where the world divides, dp the rest (8: 2×2×2)."""
     tp = 2 if world_size % 2 == 0 else 1
     pp = 2 if (world_size // tp) % 2 == 0 else 1
     return {"pp": pp, "dp": world_size // (pp * tp), "tp": tp}
@@ -324,4 +326,5 @@ def torchrun_worker(ctx, steps: str = "2") -> dict:
 
 
 __all__ = ["Job", "run_job", "capstone_worker", "reference_run", "state_formula", "loss_bytes_fix",
-           "ep_expected_bytes", "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "torchrun_worker", "GROUPS", "STATES"]
+           "ep_expected_bytes", "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "torchrun_worker",
+           "GROUPS", "STATES"]

@@ -120,6 +120,30 @@ def run_grid(ctx, job: GridJob) -> dict:
 RNG_BYTES = 5056 + 624 * 8   # torch.get_rng_state() (5,056 bytes) and numpy's 624-word MT19937 key, as int64
 
 
+def redundant_worker(ctx, cfg, tc, num_microbatches: int = 2) -> dict:
+    """Bamboo's redundant computation (notebook 10) as a pipeline over every rank of the launch: matmul FLOPs of this
+    rank, the bytes of the replica's gradients it sent, and the elements of its replica. Run under
+    `launch(..., allow_deaths=True)`, as `train_redundant` asks."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from .resilience.redundant import GRAD_TAG, train_redundant
+    ctx.comm.ledger.reset()
+    with FlopCounterMode(display=False) as flops:
+        out = train_redundant(ctx, cfg, tc, num_microbatches=num_microbatches, steps=tc.steps)
+    return {"flops": flops.get_total_flops() // tc.steps, "sent": ctx.comm.ledger.bytes_sent(tag=GRAD_TAG),
+            "replica": sum(t.numel() for t in out["replica"].values()), "layers": out["layouts"][-1]["layers"]}
+
+
+def redundant_extra_flops(cfg, batch_size: int, layers: list) -> int:
+    """What the redundant forwards add per step (formulas §8.4): every stage but the last runs its successor's
+    forward on every micro-batch — its blocks and, for the last stage, the head — on the whole batch in all."""
+    from .memopt.recompute_plan import formula_costs
+    costs = formula_costs(cfg, batch_size)
+    head = 2 * batch_size * cfg.seq_len * cfg.d_model * cfg.vocab_size
+    starts = [sum(layers[:k]) for k in range(len(layers))]
+    return sum(sum(b.fwd_flops for b in costs.blocks[starts[k]:starts[k] + layers[k]]) + head * (k == len(layers) - 1)
+               for k in range(1, len(layers)))
+
+
 def survey_worker(ctx, jobs, references=None) -> list:
     """Every job of `jobs` on these ranks, one after the other: a `Job` through `run_job`, a `GridJob` through
     `run_grid` (one launch: the process start is paid once)."""
@@ -128,5 +152,5 @@ def survey_worker(ctx, jobs, references=None) -> list:
             for job, ref in zip(jobs, references)]
 
 
-__all__ = ["survey_jobs", "survey_worker", "GridJob", "run_grid", "extra_flops", "base_flops", "RNG_BYTES",
+__all__ = ["survey_jobs", "survey_worker", "redundant_worker", "redundant_extra_flops", "GridJob", "run_grid", "extra_flops", "base_flops", "RNG_BYTES",
            "SURVEY_WORLD"]

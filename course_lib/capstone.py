@@ -15,7 +15,8 @@ Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each techn
 with one correction, `loss_bytes_fix`, for mixed precision under tensor parallelism (below); expert parallelism's
 all-to-all bytes from the routed rows (`ep_expected_bytes`, §12); model states are ZeRO's Ψ·(e_p + e_g + K)
 divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
-plus AdamW's 4-byte step count per tensor.
+plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
+grids are in `course_lib.capstone_survey`, the pictures in `course_lib.capstone_plots`.
 """
 from __future__ import annotations
 
@@ -261,15 +262,16 @@ def _checkpoint_probe(job: Job):
 
 
 def _checkpoint_measures(ctx, job: Job, run, host) -> dict:
-    """What a checkpoint cost this rank at the last step: its snapshot's bytes (parameters and optimizer state as
-    held, and the generators' states), the bytes it sent (in-memory copies on peers: one ring shift) and, on rank 0,
-    every byte the checkpoints left on disk (tensors, headers, meta.json, manifest) or in host memory."""
+    """What checkpoints cost this rank: the last snapshot's bytes (parameters and optimizer state as held, and the
+    generators' states) and every one's ('blobs'), the bytes it sent in the whole run (in-memory copies on peers: one
+    ring shift per checkpoint), on rank 0 every byte the checkpoints left on disk (tensors, headers, meta.json,
+    manifest), and what it holds in host memory (Gemini: the last two snapshots of its own and of its predecessor)."""
     import os
     events = run["checkpoint" if job.checkpoint != "peer" else "peer"]
     sent = sum(v["sent"] for t, v in ctx.comm.ledger.by("tag").items() if str(t).startswith("gemini"))
     on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(job.root) for f in fs) \
         if ctx.rank == 0 else None
-    return {"bytes": events[-1]["bytes"], "sent": sent, "stored": on_disk,
+    return {"bytes": events[-1]["bytes"], "blobs": [e["bytes"] for e in events], "sent": sent, "stored": on_disk,
             "host": host.nbytes(ctx.rank) if host is not None else None}
 
 

@@ -16,7 +16,7 @@ LAYERS = (
     ("train", {"train"}),
     ("techniques", {"parallel", "memopt", "optim", "transports", "fits"}),
     ("systems", {"resilience", "io"}),
-    ("composer", {"parallel_plan", "parallelize", "checks"}),
+    ("composer", {"parallel_plan", "parallelize", "checks", "calculator"}),
 )
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 

@@ -5,7 +5,7 @@ analytic and *modeled* (docs/formulas.md §15). It composes formulas the course 
 
     config      Decoder, Cluster, Job and the one-line errors of bad input
     memory      bytes per device by category; checkpoint size
-    step_time   compute, exposed communication per axis, bubble; MFU and HFU; the fitted `Efficiency`
+    step_time   step_time(): compute, exposed communication per axis, bubble; MFU and HFU; the fitted `Efficiency`
     published   the papers' tables beside the calculator's values; fitting one constant on one named row
     planner     enumerate, drop what does not fit (with why), rank, explain, place a given job
     cost        GPU-hours, rent vs own, break-even utilisation, energy
@@ -15,8 +15,8 @@ from .config import CalculatorError, Cluster, Decoder, Job, check_job
 from .cost import Prices, break_even_utilisation, job_cost
 from .memory import checkpoint_bytes, memory_per_device, param_count
 from .planner import Plan, evaluate, plan
-from .step_time import IDEAL, Efficiency, step_time
+from .step_time import IDEAL, Efficiency
 
 __all__ = ["CalculatorError", "Cluster", "Decoder", "Job", "check_job", "Prices", "break_even_utilisation",
            "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan", "evaluate", "plan", "IDEAL",
-           "Efficiency", "step_time"]
+           "Efficiency"]

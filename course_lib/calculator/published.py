@@ -223,9 +223,9 @@ FIT_SPEC = (("compute", "Narayanan SC'21 Table 1", "1008.0B"), ("half_width", "N
 
 
 @lru_cache(maxsize=None)
-def fitted_efficiency(rounds: int = 8) -> Efficiency:
+def fitted_efficiency(rounds: int = 16) -> Efficiency:
     """The three constants solved together on FIT_SPEC's three rows (each in turn, `rounds` times: they interact
-    only weakly, and 8 rounds reproduce each fitted row to < 1e-6)."""
+    only weakly, and 16 rounds reproduce each fitted row to < 1e-9)."""
     rows = {(r["source"], r["key"]): r for r in throughput_rows() + narayanan_table2()}
     eff = IDEAL
     for _ in range(rounds):

@@ -71,9 +71,9 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload: bool = False,
                recompute=(None, "selective", "full"), sequence_parallel: bool = True, zeros=(1, 3),
-               schedules=(("1f1b", 1), ("interleaved", 2)), micro_batches=(1, 2, 4, 8)):
+               schedules=(("1f1b", 1), ("interleaved", 2)), micro_batches=(1, 2, 4, 8), overlap_dp: bool = True):
     """Every Job the planner considers; the keywords restrict it to a technique set (e.g. a 2021 paper's:
-    recompute=('full',), sequence_parallel=False, zeros=(0, 3))."""
+    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False)."""
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.devices_per_node and m.n_head % t == 0 and t <= world]
     cps = [1] + ([c for c in (2, 4, 8, 16) if m.seq_len % (2 * c) == 0] if m.seq_len >= 16384 else [])
     for tp in tps:
@@ -94,7 +94,7 @@ def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload:
                                     yield Job(batch=batch, micro_batch=mb, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
                                               zero=zero, schedule=sched, chunks=v,
                                               sequence_parallel=sequence_parallel and tp > 1, recompute=rc,
-                                              offload="optimizer" if offload else None)
+                                              offload="optimizer" if offload else None, overlap_dp=overlap_dp)
 
 
 def evaluate(m: Decoder, cluster: Cluster, job: Job, eff: Efficiency = IDEAL, world: int | None = None) -> Option:

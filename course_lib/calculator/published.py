@@ -182,6 +182,14 @@ def _llama_params(m: Decoder) -> int:
     return param_count(m)
 
 
+# The technique set each paper had: the planner places a published run among the options of its own time
+TECHNIQUES = {"Narayanan SC'21 Table 1": dict(recompute=("full",), sequence_parallel=False, zeros=(0, 3),
+                                              overlap_dp=False),
+              "Narayanan SC'21 Table 2": dict(recompute=("full",), sequence_parallel=False, zeros=(0, 3),
+                                              overlap_dp=False),
+              "Korthikanti MLSys'23 Table 5": dict(overlap_dp=False), "Llama 3 Table 4": {}}
+
+
 def throughput_rows() -> list[dict]:
     return narayanan_table1() + korthikanti_table5() + llama3_table4()
 

@@ -208,7 +208,7 @@ def fit(row: dict, field: str, eff: Efficiency = IDEAL, lo: float = 1e-6, hi: fl
     """The value of `Efficiency.<field>` for which the calculator reproduces `row`'s published step time exactly
     (bisection: predicted time falls as compute or network efficiency rises and grows with half_width)."""
     rising = field == "half_width"
-    for _ in range(200):
+    for _ in range(80):                     # 2^-80 of the bracket: far below float precision of a time
         mid = (lo * hi) ** 0.5 if not rising else (lo + hi) / 2
         t = step_time(row["model"], row["job"], row["cluster"], replace(eff, **{field: mid}))["total"]
         if (t > row["published_s"]) != rising:

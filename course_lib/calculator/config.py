@@ -193,7 +193,8 @@ def check_job(model: Decoder, cluster: Cluster, job: Job, world: int | None = No
         raise CalculatorError("sequence_parallel splits the LayerNorm regions over tp, but tp=1; use tp ≥ 2")
     if job.batch % (job.dp * job.micro_batch):
         raise CalculatorError(f"the batch of {job.batch} sequences does not split into dp × micro_batch = "
-                              f"{job.dp} × {job.micro_batch}; use a batch that is a multiple of {job.dp * job.micro_batch}")
+                              f"{job.dp} × {job.micro_batch}; use a batch that is a multiple of "
+                              f"{job.dp * job.micro_batch}")
     if job.pp > 1 and job.schedule == "interleaved" and job.microbatches % job.pp:
         raise CalculatorError(f"interleaved 1F1B runs micro-batches in rounds of pp={job.pp}: {job.microbatches} "
                               f"micro-batches per replica is not a multiple; change batch or micro_batch")

@@ -129,7 +129,8 @@ def activation_bytes(m: Decoder, job: Job) -> float:
     the embedding output (or, with pp = 1, the logits in fp32 for the loss: 4·s·b·V/t)."""
     layers = m.n_layer / job.pp
     s, b = m.seq_len // job.cp, job.micro_batch
-    per_mb = layers * layer_activation_bytes(m, job) + ACT * s * b * m.d_model / (job.tp if job.sequence_parallel else 1)
+    embedding_out = ACT * s * b * m.d_model / (job.tp if job.sequence_parallel else 1)
+    per_mb = layers * layer_activation_bytes(m, job) + embedding_out
     if job.pp == 1:
         per_mb += 4 * s * b * m.vocab / job.tp
     return in_flight_microbatches(job) * per_mb
@@ -159,7 +160,8 @@ def memory_per_device(m: Decoder, job: Job, cluster: Cluster | None = None) -> d
 
 def checkpoint_bytes(m: Decoder, job: Job) -> int:
     """Bytes of one full checkpoint (all ranks together): the weights in the compute dtype plus the optimizer state
-    (fp32 master and Adam moments), i.e. (b_w + b_o)·Ψ — 14Ψ for mixed-precision Adam, 12Ψ for fp32 Adam; gradients are not saved."""
+    (fp32 master and Adam moments), i.e. (b_w + b_o)·Ψ — 14Ψ for mixed-precision Adam, 12Ψ for fp32 Adam;
+    gradients are not saved."""
     w, _, o = PRECISIONS[job.precision]             # fp32: 4 + 8 (the weights are their own master copy)
     return int((w + o) * param_count(m))
 

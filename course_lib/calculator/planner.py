@@ -127,7 +127,8 @@ def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff
     p = Plan(m, cluster, batch, world)
     p._eff = eff
     for offload in (False, True):
-        opts = [evaluate(m, cluster, j, eff, world) for j in candidates(m, cluster, batch, world, offload=offload, **restrict)]
+        jobs = candidates(m, cluster, batch, world, offload=offload, **restrict)
+        opts = [evaluate(m, cluster, j, eff, world) for j in jobs]
         p.ranked = sorted((o for o in opts if o.fits), key=lambda o: o.seconds)
         p.rejected += sorted((o for o in opts if not o.fits), key=lambda o: o.seconds)
         if p.ranked:

@@ -19,7 +19,8 @@ Step = t_compute × pipeline factor + exposed communication, where
     pp                2 transfers of b·s·d/tp per micro-batch and chunk (Megatron's scatter/gather)
     cp                all-gather of K and V per layer forward, reduce-scatter of their gradients backward
     dp                ZeRO 0–2: one all-reduce of the gradients (or reduce-scatter + all-gather: the same bytes),
-                      overlapped with the last micro-batch's backward (or, `overlap_dp=False`, after it); ZeRO-3: all-gather ×2 + reduce-scatter per
+                      overlapped with the last micro-batch's backward (or, `overlap_dp=False`, after it);
+                      ZeRO-3: all-gather ×2 + reduce-scatter per
                       micro-batch, overlapped with that micro-batch's compute (prefetch)
 
 Each collective uses the ring times of `costmodel` on the link its group spans: `intra` if the group's devices sit

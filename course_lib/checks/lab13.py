@@ -113,7 +113,7 @@ def check_toy_plan(toy_plan, jobs=None) -> None:
         c.passed(f"{len(jobs)} jobs → their ParallelPlans, field by field")
 
 
-def _toy_worker(ctx, plan, batch, reference):
+def _toy_worker(ctx, plan, batch, reference, seed):
     import torch
 
     from ..dist.mesh import Mesh
@@ -122,7 +122,7 @@ def _toy_worker(ctx, plan, batch, reference):
     from ..train import TrainConfig
     torch.set_default_dtype(torch.float64)
     cfg = get_config("nano", **TOY)
-    tc = TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3)
+    tc = TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3, seed=seed)
     mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, tp=plan.tp)
     with parallelize(GPT(cfg, seed=tc.seed).double(), mesh, plan, train=tc) as job:
         run = job.train(STEPS, keep_params=True)
@@ -130,7 +130,7 @@ def _toy_worker(ctx, plan, batch, reference):
     return {"losses": run.losses, "err": err}
 
 
-def check_toy_run(toy_plan, choose, world_size: int = WORLD) -> None:
+def check_toy_run(toy_plan, choose, world_size: int = WORLD, seed: int = 0) -> None:
     import torch
 
     from ..model import GPT, get_config
@@ -143,12 +143,12 @@ def check_toy_run(toy_plan, choose, world_size: int = WORLD) -> None:
         plan.check(cfg, world_size, batch_size=batch)
         torch.set_default_dtype(torch.float64)
         try:
-            ref = train_reference(cfg, TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3), progress=False,
-                                  model=GPT(cfg, seed=0).double())
+            tc = TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3, seed=seed)
+            ref = train_reference(cfg, tc, progress=False, model=GPT(cfg, seed=seed).double())
         finally:
             torch.set_default_dtype(torch.float32)
         params = {k: v.detach() for k, v in ref.model.named_parameters()}
-        res = run_ranks(c, _toy_worker, world_size, plan, batch, params, timeout=120)
+        res = run_ranks(c, _toy_worker, world_size, plan, batch, params, seed, timeout=120)
         err = max(r["err"] for r in res)
         # only the ranks that hold the head see the loss; the others report NaN
         dloss = max(abs(a - b) for r in res for a, b in zip(r["losses"], ref.losses) if a is not None and a == a)

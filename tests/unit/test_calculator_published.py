@@ -59,7 +59,7 @@ def test_at_most_three_constants_each_fitted_on_one_stated_row_never_on_a_predic
 def test_throughput_tables_average_error_and_the_rows_that_miss(fitted):
     _, rows = fitted
     pred = [r for r in rows if not r["fitted"]]
-    assert len(pred) == 10 - 2 + 4 + 3                            # Narayanan T1 (two rows fitted), Korthikanti T5, Llama 3
+    assert len(pred) == 10 - 2 + 4 + 3          # Narayanan T1 (two rows fitted), Korthikanti T5, Llama 3
     avg = sum(abs(r["error"]) for r in pred) / len(pred)
     assert avg < 0.06                                             # goal 5 %; measured 5.35 % (formulas §15.5)
     # rows beyond 10 % stay in the table with their reason: the two smallest models of Table 1 (tp ≤ 2, 2048-token

@@ -16,8 +16,8 @@ def test_hardware_flops_with_full_recompute_equal_narayanan_eq3():
     assert per_token * 1536 * GPT.seq_len == pytest.approx(S.narayanan_flops(GPT, 1536), rel=1e-12)
     # without recomputation: 3 × forward = 72·B·s·l·h²·(1 + s/(6h) + V/(12lh)) (Korthikanti's model FLOPs)
     B, s, l, h, V = 1, 2048, 96, 12288, 51200
-    assert S.flops_per_token(GPT)["model"] * s == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)),
-                                                                rel=1e-12)
+    korthikanti = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    assert S.flops_per_token(GPT)["model"] * s == pytest.approx(korthikanti, rel=1e-12)
 
 
 @pytest.mark.parametrize("schedule, P, M, v", [("1f1b", 4, 8, 1), ("gpipe", 8, 8, 1), ("interleaved", 4, 8, 2),
@@ -47,4 +47,4 @@ def test_tp_inside_a_node_uses_the_intra_link_and_across_nodes_the_inter_link():
     assert S.axis_link("dp", Job(batch=64, dp=8), SELENE).name == "NVLink 4"
     t_in = step_time(GPT, inside.replace(pp=1), SELENE)["parts"]["tp"]
     t_x = step_time(GPT, across, SELENE)["parts"]["tp"]
-    assert t_x > 5 * t_in                                                 # 50 vs 450 GB/s, and 15/16 vs 7/8 of the bytes
+    assert t_x > 5 * t_in                       # 50 vs 450 GB/s, and 15/16 vs 7/8 of the bytes

@@ -98,6 +98,7 @@ def test_gds_has_no_host_copy_and_no_cpu_on_the_data_path():
     assert c["GPUDirect Storage"]["copies"] == 0 and not c["GPUDirect Storage"]["cpu_on_data_path"]
     assert c["GPUDirect Storage"]["host_memory_bytes"] == 0 and c["GPUDirect Storage"]["cpu_seconds"] == 0
     assert c["bounce (buffered)"]["copies"] == 2 and c["bounce (buffered)"]["cpu_seconds"] == pytest.approx(0.1)
+    assert c["bounce (buffered)"]["host_memory_bytes"] == 4e9 and c["bounce (O_DIRECT)"]["host_memory_bytes"] == 2e9
     assert c["GPUDirect Storage"]["seconds"] == pytest.approx(1e9 / 3e9)
     assert c["bounce (O_DIRECT)"]["seconds"] > c["GPUDirect Storage"]["seconds"]
 

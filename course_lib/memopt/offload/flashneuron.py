@@ -67,11 +67,17 @@ class ActivationFiles(DiskTier):
         self.dtype, self.durable, self.quota, self.fault = torch.uint8, durable, quota, fault
         self.log = transfer_log() if log is None else log
         self.chunk_nbytes: dict = {}
-        self.file_bytes = planned_bytes
+        self.planned_bytes = planned_bytes
         self.root = self._make_dir(directory)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
         self._trackers, self._pool, self._on_disk, self._counted = (), None, 0, False
         self._next = 0
+
+    @property
+    def file_bytes(self) -> int:
+        """What the tier needs on disk, for DiskTier's messages: the plan, or at least what is there plus the file
+        being written."""
+        return max(self.planned_bytes, self._on_disk + (self.chunk_nbytes.get(self._next - 1, 0) if self._next else 0))
 
     def put(self, data: torch.Tensor) -> int:
         """Write `data` (uint8) to a new file; its number. On any failure the whole directory goes."""
@@ -310,8 +316,8 @@ def storage_paths() -> dict:
 
 def storage_path_costs(nbytes: float, *, disk_bw: float, host_copy_bw: float, pcie: "Link | str" = "PCIe Gen4 x16",
                        chunks: int = 16) -> dict:
-    """Per path (modeled): host copies, whether the CPU touches the data, host-memory bytes moved (each copy
-    writes S and reads S; a DMA into or out of host memory moves S), CPU seconds (its copies at `host_copy_bw`)
+    """Per path (modeled): host copies, whether the CPU touches the data, host-memory bytes moved (S for each end
+    of a move in host memory or the page cache: 4S buffered, 2S with O_DIRECT, 0 with GDS; docs/formulas.md §14.5), CPU seconds (its copies at `host_copy_bw`)
     and the pipelined time of its stages (`costmodel.pipelined_time`, `chunks` chunks)."""
     pcie = get_link(pcie)
     disk = Link("NVMe (measured)", 0.0, disk_bw, kind="measured")
@@ -327,8 +333,7 @@ def storage_path_costs(nbytes: float, *, disk_bw: float, host_copy_bw: float, pc
                 cpu_s += nbytes / host_copy_bw
             else:
                 stages.append(Stage("NVMe", disk, "disk"))
-            host_bytes += nbytes * (2 if m.copy and m.src[1] == "host" else 1 if "host" in (m.src[1], m.dst[1])
-                                    or m.src[1] == "kernel" else 0)
+            host_bytes += nbytes * sum(end[1] in ("host", "kernel") for end in (m.src, m.dst))
         out[name] = {"copies": sum(m.copy for m in moves), "cpu_on_data_path": any(m.engine == "CPU (kernel)"
                                                                                     for m in moves),
                      "host_memory_bytes": host_bytes, "cpu_seconds": cpu_s,

@@ -8,6 +8,7 @@ backward; each stage's gradients leave as its backward ends (docs/formulas.md §
     MobiusExecutor          one step on the simulated accelerator: real copies, measured compute per stage
     mobius_bytes            h2d and d2h bytes per step, the formula the executor's transfer log must equal
     states_peak             the model-state bytes on the device at their peak, the formula the tracker must equal
+    mobius_plan             the step's order of operations: load, fwd, bwd, drop (the prefetch order)
     mobius_timeline         the step on one clock: measured (or stated) compute, modeled PCIe transfers
     search_partition        Mobius's partition problem (a MIP in the paper) solved exhaustively at toy size
 
@@ -132,12 +133,39 @@ class MobiusTimeline:
         return self.total - self.compute_seconds
 
 
+def mobius_plan(n_stages: int, *, prefetch: bool = True) -> list:
+    """The order of one Mobius step as operations: ('load', s) copies stage s in, ('fwd', s) / ('bwd', s) run it
+    (all micro-batches), ('drop', s) frees it. With prefetch the next stage's load comes *before* the current
+    stage computes; the last stage stays from its forward to its backward; a stage is dropped once computed.
+
+        load 0, load 1, fwd 0, drop 0, load 2, fwd 1, drop 1, …, fwd S−1, load S−2, bwd S−1, drop S−1, …, bwd 0, drop 0
+    """
+    S = n_stages
+    order = [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
+    ops = [("load", 0)]
+    for k, (kind, s) in enumerate(order):
+        nxt = order[k + 1] if k + 1 < len(order) else None
+        load = nxt is not None and nxt != ("bwd", S - 1)
+        if prefetch and load:
+            ops.append(("load", nxt[1]))
+        ops.append((kind, s))
+        if kind == "bwd" or s < S - 1:
+            ops.append(("drop", s))
+        if not prefetch and load:
+            ops.append(("load", nxt[1]))
+    return ops
+
+
 def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes: int = 0, n_micro: int = 1,
-                    link: "Link | str" = DEFAULT_LINK, prefetch: bool = True) -> MobiusTimeline:
+                    link: "Link | str" = DEFAULT_LINK, prefetch: bool = True, plan=None) -> MobiusTimeline:
     """The step of `MobiusExecutor` on a modeled link: `forward_s[s]` and `backward_s[s]` are stage s's compute
-    (all micro-batches; backward includes the recomputation), measured or from stated op costs."""
+    (all micro-batches; backward includes the recomputation), measured or from stated op costs; `plan` the order
+    of operations (`mobius_plan(S, prefetch=prefetch)` by default). A load the next compute needs is issued when
+    the compute before it ends; any other load pending at a compute is issued when that compute starts (it is
+    prefetched under it); a backward's boundaries are issued when the compute before it starts."""
     link = get_link(link)
     P, S = list(stage_param_bytes), len(stage_param_bytes)
+    plan = mobius_plan(S, prefetch=prefetch) if plan is None else plan
     tl = MobiusTimeline(link=link)
     free = {"h2d": 0.0, "d2h": 0.0}
 
@@ -147,34 +175,32 @@ def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes:
         tl.transfers.append((lane, t0, t1, n, label))
         return t1
 
-    def run(t0, secs, label):
-        tl.compute.append((t0, t0 + secs, label))
-        return t0 + secs
-
     acts = n_micro * boundary_bytes
-    order = [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
-
-    def fetch(item, t):              # what `item` needs brought in: its parameters, and in backward its boundary
-        kind, s = item
-        done = move("h2d", t, P[s], f"stage {s}") if item != ("bwd", S - 1) else 0.0
+    arrived, pending, prev_start, prev_end = {}, [], 0.0, 0.0
+    for kind, s in plan:
+        if kind == "load":
+            pending.append(s)
+            continue
+        if kind == "drop":
+            continue
+        for x in [x for x in pending if x == s]:
+            arrived[x] = move("h2d", prev_end, P[x], f"stage {x}")
+        ready = arrived[s]
         if kind == "bwd" and s > 0 and acts:
-            done = max(done, move("h2d", t, acts, f"boundary {s - 1}"))
-        return done
-
-    arrive = {order[0]: fetch(order[0], 0.0)}
-    t = 0.0
-    for k, (kind, s) in enumerate(order):
+            ready = max(ready, move("h2d", prev_start, acts, f"boundary {s - 1}"))
+        start = max(prev_end, ready)
+        for x in [x for x in pending if x != s]:
+            arrived[x] = move("h2d", start, P[x], f"stage {x}")
+        pending = []
         secs = (forward_s if kind == "fwd" else backward_s)[s]
-        start = max(t, arrive[(kind, s)])
-        if k + 1 < len(order):
-            arrive[order[k + 1]] = fetch(order[k + 1], start if prefetch else start + secs)
-        t = run(start, secs, f"{kind} {s}")
+        tl.compute.append((start, start + secs, f"{kind} {s}"))
+        prev_start, prev_end = start, start + secs
         if kind == "fwd" and s < S - 1 and acts:
-            move("d2h", t, acts, f"boundary {s}")
+            move("d2h", prev_end, acts, f"boundary {s}")
         if kind == "bwd":
-            move("d2h", t, P[s], f"grads {s}")
+            move("d2h", prev_end, P[s], f"grads {s}")
     tl.compute_seconds = sum(forward_s) + sum(backward_s)
-    tl.total = max(t, free["d2h"])
+    tl.total = max(prev_end, free["d2h"])
     return tl
 
 
@@ -271,35 +297,47 @@ class MobiusExecutor:
               t.numel() * t.element_size())
         return out
 
-    def step(self, batches) -> float:
-        """Forward and backward of every (idx, targets) micro-batch; the gradients (mean over micro-batches) land in
-        `host_grads`. Returns the mean loss."""
+    def step(self, batches, plan=None) -> float:
+        """Forward and backward of every (idx, targets) micro-batch, in the order of `plan` (`mobius_plan` by
+        default: see there); the gradients (mean over micro-batches) land in `host_grads`. Returns the mean loss.
+        A plan that computes a stage not on the device, or stages out of order, is refused with the reason."""
         S, M, last = self.n_stages, len(batches), self.n_stages - 1
+        plan = mobius_plan(S) if plan is None else list(plan)
         self.host_grads = [[None] * len(ps) for ps in self.params]
-        saved: dict = {}                                 # micro-batch -> stage s's input, on the host
-        inputs: dict = {}                                # micro-batch -> stage s's input, on the device
-        self._load(0)
-        for s in range(S):                               # forward: no graph; each output stays for the next stage
-            if s < last:                                 # and a copy goes to the host for the backward
-                self._load(s + 1)                        # prefetched: allocated before stage s computes
-            t0 = now()
-            with torch.no_grad():
-                for m, (idx, y) in enumerate(batches):
-                    out = self._run(s, inputs.pop(m, None), idx, y, M)
-                    if s < last:
-                        saved[(s + 1, m)] = self._to(out, "host", f"boundary {s}")
-                        inputs[m] = out
-                    del out
-            self.forward_s[s] = now() - t0
-            _book(self.log, "compute", "forward", f"stage {s}", t0, group="compute")
-            if s < last:
-                self._drop(s)
+        saved: dict = {}                                 # (stage, micro-batch) -> its input, on the host
+        inputs: dict = {}                                # micro-batch -> the next stage's input, on the device
+        loaded, todo = set(), [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
         leaving, losses, grads_in = None, [], {}
-        for s in reversed(range(S)):                     # backward: recompute from the boundary, gradients out
-            if s > 0:
-                self._load(s - 1)
+        for kind, s in plan:
+            if not (isinstance(s, int) and 0 <= s < S) or kind not in ("load", "drop", "fwd", "bwd"):
+                raise ValueError(f"plan step {(kind, s)!r}: expected ('load' | 'fwd' | 'bwd' | 'drop', stage 0…{last})")
+            if kind == "load":
+                self._load(s)                            # allocated now: before the compute that follows
+                loaded.add(s)
+                continue
+            if kind == "drop":
+                self._drop(s)
+                loaded.discard(s)
+                continue
+            if s not in loaded:
+                raise RuntimeError(f"the plan runs {kind} {s} but stage {s} is not on the device (load it first)")
+            if not todo or todo[0] != (kind, s):
+                raise RuntimeError(f"the plan runs {kind} {s} where {' '.join(map(str, todo[0])) if todo else 'nothing'}"
+                                   f" is due (forwards 0…S−1, then backwards S−1…0)")
+            todo.pop(0)
             t0 = now()
-            for m, (idx, y) in enumerate(batches):
+            if kind == "fwd":                            # no graph; each output stays for the next stage and a
+                with torch.no_grad():                    # copy goes to the host for the backward
+                    for m, (idx, y) in enumerate(batches):
+                        out = self._run(s, inputs.pop(m, None), idx, y, M)
+                        if s < last:
+                            saved[(s + 1, m)] = self._to(out, "host", f"boundary {s}")
+                            inputs[m] = out
+                        del out
+                self.forward_s[s] = now() - t0
+                _book(self.log, "compute", "forward", f"stage {s}", t0, group="compute")
+                continue
+            for m, (idx, y) in enumerate(batches):     # backward: recompute from the boundary, gradients out
                 x = None if s == 0 else self._to(saved.pop((s, m)), "device", f"boundary {s - 1}").requires_grad_()
                 out = self._run(s, x, idx, y, M)
                 if s == last:
@@ -320,8 +358,12 @@ class MobiusExecutor:
             leaving = [p.grad for p in self.params[s]]   # held until the next stage has computed (in flight)
             for p in self.params[s]:
                 p.grad = None
-            self._drop(s)
         del leaving
+        if todo:
+            raise RuntimeError(f"the plan ended before {' '.join(map(str, todo[0]))}: every stage runs forward, "
+                               f"then backward")
+        for s in list(loaded):
+            self._drop(s)
         return sum(losses) / M
 
     def restore(self) -> None:
@@ -331,11 +373,11 @@ class MobiusExecutor:
                 p.data, p.grad = h, g
 
     def timeline(self, link: "Link | str" = DEFAULT_LINK, *, n_micro: int = 1, boundary_bytes: int = 0,
-                 prefetch: bool = True) -> MobiusTimeline:
+                 plan=None) -> MobiusTimeline:
         """The last step's measured compute on the modeled link."""
         return mobius_timeline(self.stage_bytes, self.forward_s, self.backward_s, boundary_bytes=boundary_bytes,
-                               n_micro=n_micro, link=link, prefetch=prefetch)
+                               n_micro=n_micro, link=link, plan=plan)
 
 
 __all__ = ["units_of", "unit_bytes", "unit_activation_bytes", "even_partition", "stage_sums", "states_peak", "state_peaks", "mobius_bytes",
-           "MobiusTimeline", "mobius_timeline", "search_partition", "MobiusExecutor"]
+           "MobiusTimeline", "mobius_plan", "mobius_timeline", "search_partition", "MobiusExecutor"]

@@ -27,20 +27,6 @@ BOUNDARY = 4 * B * CFG.seq_len * CFG.d_model
 exercises({"mobius_prefetch_plan": "Exercise 1 (the prefetch plan)"})
 
 
-def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, CFG.vocab_size, (B, CFG.seq_len), generator=g),
-             torch.randint(0, CFG.vocab_size, (B, CFG.seq_len), generator=g)) for _ in range(M)]
-
-
-def _reference(batches):
-    ref = GPT(CFG, seed=0)
-    for x, y in batches:
-        _, loss = ref(x, y)
-        (loss / M).backward()
-    return ref
-
-
 def _residency_fault(plan, S):
     """Why a plan holds more than two stages at some compute (None if it never does): a stage that was computed
     and is not needed next was not dropped, or a stage was loaded more than one compute ahead."""
@@ -64,7 +50,7 @@ def _residency_fault(plan, S):
 def check_plan(plan_fn) -> None:
     """Run `plan_fn(S)` (S = 5 stages of the uneven GPT) on the simulated accelerator; see the module docstring."""
     with check("plan") as c:
-        batches = _batches()
+        batches = MB.micro_batches(CFG, M, B)
         model = GPT(CFG, seed=0)
         bounds = [(u, u + 1) for u in range(CFG.n_layer + 2)]
         S = len(bounds)
@@ -106,7 +92,7 @@ def check_plan(plan_fn) -> None:
                                                                         "backward")
         c.expect((h2d, d2h) == (want["h2d"], want["d2h"]), f"h2d {h2d:,} B, d2h {d2h:,} B; the formula says "
                  f"{want['h2d']:,} and {want['d2h']:,}")
-        ref = _reference(batches)
+        ref = MB.reference_step(CFG, batches)
         bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p.grad, q.grad)]
         c.expect(not bad, f"gradients differ from the reference in {bad[:3]}")
         fwd = [b / 1e9 for b in P]                        # stated costs: 1 s per GB of a stage's parameters

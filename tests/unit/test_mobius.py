@@ -14,17 +14,11 @@ B, M = 1, 2
 
 
 def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, CFG.vocab_size, (B, CFG.seq_len), generator=g),
-             torch.randint(0, CFG.vocab_size, (B, CFG.seq_len), generator=g)) for _ in range(M)]
+    return MB.micro_batches(CFG, M, B)
 
 
 def _reference(batches):
-    ref = GPT(CFG, seed=0)
-    for x, y in batches:
-        _, loss = ref(x, y)
-        (loss / M).backward()
-    return ref
+    return MB.reference_step(CFG, batches)
 
 
 FINE = [(u, u + 1) for u in range(CFG.n_layer + 2)]

@@ -7,7 +7,7 @@ backward; each stage's gradients leave as its backward ends (docs/formulas.md §
     even_partition          the course's even split of the blocks (`model.stage_bounds`), embedding first, head last
     MobiusExecutor          one step on the simulated accelerator: real copies, measured compute per stage
     mobius_bytes            h2d and d2h bytes per step, the formula the executor's transfer log must equal
-    states_peak             the model-state bytes on the device at their peak, the formula the tracker must equal
+    states_peak/state_peaks the model-state bytes on the device at their peak (planning bound; exact per category)
     mobius_plan             the step's order of operations: load, fwd, bwd, drop (the prefetch order)
     mobius_timeline         the step on one clock: measured (or stated) compute, modeled PCIe transfers
     search_partition        Mobius's partition problem (a MIP in the paper) solved exhaustively at toy size
@@ -17,8 +17,7 @@ Checked against (P_s: stage s's parameter bytes, S stages, M micro-batches, A_b 
     h2d per step   2·ΣP_s − P_{S−1} + M·(S−1)·A_b      (each stage loaded in forward and again in backward, except
                                                        the last, which stays; boundaries come back)
     d2h per step   ΣP_s + M·(S−1)·A_b                  (gradients once; boundaries out)
-    device states  max_s max(P_s + P_{s+1}, 2P_s + P_{s−1} + P_{s+1})  (forward: in use + arriving; backward: in use
-                                                       with its gradients + arriving + the gradients still leaving)
+    parameters, gradients on the device, each   max_s (P_s + P_{s+1})   (in use + arriving; in use + leaving)
 """
 from __future__ import annotations
 
@@ -208,7 +207,7 @@ def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_b
                      activation_bytes=None, boundary_bytes: int = 0, n_micro: int = 1,
                      link: "Link | str" = DEFAULT_LINK, prefetch: bool = True) -> dict:
     """Every contiguous partition of the units (2^(U−1) of them), each stage count: the fastest modeled step whose
-    device bytes fit — Mobius's mixed-integer program (§4 of the paper) solved by enumeration at toy size. A
+    device bytes fit — Mobius's mixed-integer program solved by enumeration at toy size. A
     partition fits when `states_peak` + the largest stage's `activation_bytes` (per unit, summed; 0 if None) ≤
     `device_bytes`. Returns {'bounds', 'seconds', 'device', 'tried', 'feasible'}; bounds None if nothing fits."""
     U = len(unit_param_bytes)
@@ -228,6 +227,25 @@ def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_b
         if secs < best["seconds"]:
             best.update(bounds=bounds, seconds=secs, device=device)
     return best
+
+
+def reference_step(cfg, batches, *, seed: int = 0) -> nn.Module:
+    """The single-process reference of a Mobius step: a fresh GPT(cfg, seed), each micro-batch's loss ÷ M backward
+    in turn (gradients accumulated in that order, as `MobiusExecutor.step` accumulates them)."""
+    from ...model import GPT
+    ref = GPT(cfg, seed=seed)
+    for x, y in batches:
+        _, loss = ref(x, y)
+        (loss / len(batches)).backward()
+    return ref
+
+
+def micro_batches(cfg, n_micro: int, batch_size: int = 1, *, seed: int = 0) -> list:
+    """n_micro random (idx, targets) pairs of batch_size × seq_len tokens from a private generator."""
+    g = torch.Generator().manual_seed(seed)
+    c = get_config(cfg)
+    return [(torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g),
+             torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g)) for _ in range(n_micro)]
 
 
 # ---------------------------------------------------------------------------------------------- the real run
@@ -263,9 +281,7 @@ class MobiusExecutor:
                 p.data = torch.empty(0, dtype=p.dtype)
         self.forward_s, self.backward_s = [0.0] * len(self.bounds), [0.0] * len(self.bounds)
 
-    @property
-    def n_stages(self) -> int:
-        return len(self.bounds)
+    n_stages = property(lambda self: len(self.bounds))
 
     def _load(self, s: int) -> None:
         t0 = now()
@@ -379,5 +395,6 @@ class MobiusExecutor:
                                n_micro=n_micro, link=link, plan=plan)
 
 
-__all__ = ["units_of", "unit_bytes", "unit_activation_bytes", "even_partition", "stage_sums", "states_peak", "state_peaks", "mobius_bytes",
-           "MobiusTimeline", "mobius_plan", "mobius_timeline", "search_partition", "MobiusExecutor"]
+__all__ = ["units_of", "unit_bytes", "unit_activation_bytes", "even_partition", "stage_sums", "states_peak",
+           "state_peaks", "mobius_bytes", "MobiusTimeline", "mobius_plan", "mobius_timeline", "search_partition",
+           "reference_step", "micro_batches", "MobiusExecutor"]

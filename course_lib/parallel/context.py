@@ -234,7 +234,9 @@ class ContextParallelGPT(nn.Module):
     """The course GPT on one cp rank: the same modules under the same names; `embed` keeps this rank's tokens of
     the (B, T) input and their positions, every block's attention core is ring attention, `loss` is the mean over
     this rank's tokens. The cp ranks' gradients are partial sums: reduce them over dp × cp, as DDP does
-    (`apply_dp(model, mesh.group("dp", "cp"))`): the mean of the cp ranks' means is the mean over all T tokens."""
+    (`apply_dp(model, mesh.group("dp", "cp"))`): the mean of the cp ranks' means is the mean over all T tokens.
+    A pipeline cuts it like the GPT (`apply_pipeline`): each stage runs this model's embed, head and loss, and its
+    blocks' ring attention over the cp peers that hold the same stage; (B, T/cp, d) crosses each boundary."""
 
     def __init__(self, model, comm, layout: str):
         super().__init__()
@@ -262,6 +264,10 @@ class ContextParallelGPT(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))                                            # (B, T/cp, V)
+
+    def hidden_shape(self, batch_size: int, seq_len: int | None = None) -> tuple[int, int, int]:
+        """What flows between blocks on this rank — and across a pipeline stage boundary: (B, T/cp, d)."""
+        return (batch_size, (seq_len or self.config.seq_len) // self.comm.world_size, self.config.d_model)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets.index_select(1, self._positions(targets.shape[1])))

@@ -9,7 +9,8 @@ The fields, and the notebook that builds each technique:
 
     dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.dist.mesh`)     03, 06, 05
     cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
-                        'contiguous'); gradients reduced over dp × cp                                   12
+                        'contiguous'); gradients reduced over dp × cp; composes with pp (each stage's
+                        ring over the cp peers holding it), not yet with tp                            12
     ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks      12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
     dp_kind             with zero=0: which DDP reduces the gradients ('naive' | 'bucket' | 'overlap')   03

@@ -227,7 +227,9 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Par
         optimizer if hasattr(optimizer, "finish_gradient_synchronization") else None)
     if pipe is not None:
         pipe.data_parallel = reducer
-    elif reducer is not None and reducer is not wrapped:          # ZeRO-1/2: accumulate, then reduce once
+    elif reducer is not None and reducer is not wrapped and (data_parallel is None or M > 1):
+        # ZeRO-1/2: accumulate, then reduce once (a caller's own optimizer-reducer keeps its step() alone when
+        # there is nothing to accumulate: the loop it was written for has no 'sync' phase then)
         step_fn = functools.partial(forward_backward, sync=reducer)
     b = tc.batch_size // (plan.dp * M)
     batches = mesh.batches(cfg.seq_len, b, accum_steps=M, seed=tc.data_seed)

@@ -131,3 +131,24 @@ def test_a_redraw_that_fails_says_why_in_the_cell_and_a_draw_without_controls_is
     assert all(m["update"] for m in msgs) and not _figures(msgs)      # the figure's output is emptied in place
     with pytest.raises(ValueError, match="at least one control"):
         explorer(print)
+
+
+def test_pipeline_labels_fit_their_boxes_or_are_left_out():
+    from course_lib.parallel import pipeline as P
+    from course_lib.parallel.pipeline.plots import plot_pipeline
+
+    timeline = P.simulate(P.make_schedule("interleaved", 4, 8, 2))
+    ax = plot_pipeline(timeline, scale=1, num_stages=4)
+    renderer = ax.figure.canvas.get_renderer()
+    boxes = [b for coll in ax.collections for b in coll.get_paths()]
+    assert ax.texts, "every label was dropped"
+    for t in ax.texts:
+        width = t.get_window_extent(renderer).width
+        x = t.get_position()[0]
+        # the box the label is centred in: the op whose span holds x on the label's row
+        ext = [p.get_extents() for p in boxes]
+        y = t.get_position()[1]
+        box = next(e for e in ext if e.x0 <= x <= e.x1 and e.y0 <= y <= e.y1)
+        room = ax.transData.transform((box.x1, 0))[0] - ax.transData.transform((box.x0, 0))[0]
+        assert width <= room, f"label {t.get_text()!r} is {width:.0f} px wide in a {room:.0f} px box"
+    plt.close(ax.figure)

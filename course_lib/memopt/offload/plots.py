@@ -89,3 +89,23 @@ def plot_what_fits(psis, grid, limits: dict, *, title: str):
     cost.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                 title="markers staggered: lines\nat 1× lie on one another", title_fontsize=7)
     return fig
+
+
+def plot_swap_trace(trace, plans: dict, *, title: str):
+    """Top: each swappable tensor of `trace` (by birth) on the device (red) and idle between its last forward use
+    and its backward use (grey), over the op index. Bottom: device memory over the ops under each of `plans`
+    ({label: the swap planner's simulation})."""
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True, gridspec_kw={"height_ratios": [2.2, 1]},
+                             layout="constrained")
+    for i, c in enumerate(sorted(trace.candidates, key=lambda c: c.birth)):
+        axes[0].broken_barh([(c.birth, c.drop - c.birth + 1), (c.need, c.release - c.need + 1)], (i, 0.8),
+                            facecolors="#C44E52")
+        axes[0].broken_barh([(c.drop + 1, c.need - c.drop - 1)], (i + 0.3, 0.2), facecolors="#BBBBBB")
+    axes[0].set_ylabel("swappable tensor (by birth)")
+    axes[0].set_title(title)
+    for label, sim in plans.items():
+        axes[1].plot(sim.memory / 2**20, label=label)
+    axes[1].set_xlabel("op index")
+    axes[1].set_ylabel("device MiB")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig

@@ -22,6 +22,8 @@ show it (`show_source`) and measure it.
     parallel_plan, parallelize   ONE plan of every technique, checked before launch, and the composer that applies
                  it on a rank in the one order techniques compose in
     checks/      lab checks: one pass line with the measured figure, or one failure with a hint
+    calculator/  the capstone's analytic calculator: memory, step time, planner, cost; checked against published
+                 tables (data/published/)
 
 Layers, bottom to top — a module imports only its own layer and those below (tests/test_layering.py reads every
 import, function-local ones too):
@@ -31,7 +33,7 @@ import, function-local ones too):
     train        train
     techniques   parallel/, memopt/, optim/, transports/, fits
     systems      resilience/, io/
-    composer     parallel_plan, parallelize, checks/
+    composer     parallel_plan, parallelize, checks/, calculator/
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """

@@ -83,15 +83,18 @@ def _bound(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def check_knobs(**knobs) -> dict:
+def check_knobs(*rules, **knobs) -> dict:
     """Validate a notebook's knobs in one call, right after its parameters cell; return them as a dict.
 
         check_knobs(SEED=SEED, QUICK=QUICK, WORLD_SIZE=(WORLD_SIZE, 2, 8), STEPS=(STEPS, 30, None),
-                    PRESET=(PRESET, ["nano", "micro"]))
+                    PRESET=(PRESET, ["nano", "micro"]), MATRIX=(MATRIX, 24, None, 24, "8 and 9 ranks split it"))
 
     SEED must be an integer ≥ 0 and QUICK a bool; `(value, lo, hi)` is an integer (a number, if a bound is a float)
-    in [lo, hi], None for no bound; `(value, choices)` one of the choices; anything else is taken as it is.
-    A bad value raises KnobError with one line, e.g. "WORLD_SIZE = 0: pick 2 to 8".
+    in [lo, hi], None for no bound, and `(value, lo, hi, k)` an integer multiple of k there; `(value, choices)` is
+    one of the choices; a spec may end with a string that says why; anything else is taken as it is. A rule is
+    `(ok, message)` for what involves several knobs, checked after the knobs (`ok` may be a function, so that it
+    is evaluated only once the knobs it reads are valid). A bad value raises KnobError with one line, e.g.
+    "WORLD_SIZE = 0: pick 2 to 8".
     """
     values = {}
     for name, spec in knobs.items():
@@ -105,21 +108,33 @@ def check_knobs(**knobs) -> dict:
         if not isinstance(spec, tuple):
             values[name] = spec
             continue
+        why = f" ({spec[-1]})" if len(spec) > 2 and isinstance(spec[-1], str) else ""
+        spec = spec[:-1] if why else spec
         value = spec[0]
         if len(spec) == 2:
             if value not in spec[1]:
-                raise KnobError(f"{name} = {value!r}: pick one of {', '.join(map(repr, spec[1]))}")
-        elif len(spec) == 3:
+                raise KnobError(f"{name} = {value!r}: pick one of {', '.join(map(repr, spec[1]))}{why}")
+        elif len(spec) in (3, 4):
             lo, hi = spec[1], spec[2]
-            real = isinstance(lo, float) or isinstance(hi, float)
+            step = spec[3] if len(spec) == 4 else None
+            real = (isinstance(lo, float) or isinstance(hi, float)) and step is None
             kinds = (int, float) if real else (int,)
-            what = "a number" if real else "an integer"
+            what = "a number" if real else f"a multiple of {step}" if step else "an integer"
             rng = (f"{_bound(lo)} to {_bound(hi)}" if lo is not None and hi is not None else
                    f"{what} ≥ {_bound(lo)}" if lo is not None else f"{what} ≤ {_bound(hi)}")
+            if step and lo is not None and hi is not None:
+                rng = f"{what} from {_bound(lo)} to {_bound(hi)}"
             if isinstance(value, bool) or not isinstance(value, kinds) or \
-                    (lo is not None and value < lo) or (hi is not None and value > hi):
-                raise KnobError(f"{name} = {value!r}: pick {rng}")
+                    (lo is not None and value < lo) or (hi is not None and value > hi) or (step and value % step):
+                raise KnobError(f"{name} = {value!r}: pick {rng}{why}")
         else:
-            raise TypeError(f"check_knobs: {name} needs value, (value, lo, hi) or (value, choices), got {spec!r}")
+            raise TypeError(f"check_knobs: {name} needs value, (value, lo, hi[, multiple]) or (value, choices), "
+                            f"got {spec!r}")
         values[name] = value
+    for rule in rules:
+        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[1], str)):
+            raise TypeError(f"check_knobs: a rule is (ok, message), got {rule!r}")
+        ok, message = rule
+        if not (ok() if callable(ok) else ok):
+            raise KnobError(message)
     return values

@@ -9,18 +9,23 @@ The fields, and the notebook that builds each technique:
 
     dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.dist.mesh`)     03, 06, 05
     cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
-                        'contiguous'); gradients reduced over dp × cp                                   12
+                        'contiguous'); gradients reduced over dp × cp; composes with pp (each stage's
+                        ring over the cp peers holding it), not yet with tp                            12
     ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks      12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
+    dp_kind             with zero=0: which DDP reduces the gradients ('naive' | 'bucket' | 'overlap')   03
     fsdp_replicate      with zero=3: parameters left whole on every dp rank ('norms+biases', or a
                         size in elements below which a parameter is not sharded)                      04
-    schedule, chunks    pipeline schedule ('gpipe' | '1f1b' | 'interleaved' | 'zb_h1') and virtual
-                        stages per rank (interleaved only)                                            05
+    schedule, chunks    pipeline schedule ('gpipe' | '1f1b' | 'interleaved' | 'zb_h1', or a generator
+                        fn(S, M) of per-rank op lists, as a lab writes one) and virtual stages per
+                        rank (interleaved only)                                                       05
+    layers              blocks per pipeline stage (e.g. (3, 1)), None: as even as possible            05
     microbatches        M: each dp rank splits its share of a step into M micro-batches; with pp > 1
                         the pipeline runs them, with pp = 1 they are accumulated (gradient
                         accumulation) before one reduction                                             03, 05
     sequence_parallel   Korthikanti's SP inside the tp group (LayerNorm regions split along T)         06
-    recompute           None | 'full' | 'selective' | 'every' | 'sqrt' (activation recomputation)      08
+    recompute           None | 'full' | 'selective' | 'every' | 'sqrt' (activation recomputation), or a
+                        RecomputePlan of the blocks that run on each rank                             08
     precision           None (the model's own dtype, e.g. float64 for exact checks) | 'fp32' | 'bf16'
                         | 'fp16' (fp32 master weights; fp16 with a dynamic loss scale)                 09
     offload_activations vDNN-style activation offload of the blocks that run here                      07
@@ -40,10 +45,16 @@ RECOMPUTE = ("full", "selective", "every", "sqrt")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZER_TIERS = ("host", "disk")
 REPLICATE = ("norms+biases",)
+DP_KINDS = ("naive", "bucket", "overlap")          # course_lib.parallel.dp.DP_KINDS, by name
 
 
 class PlanError(ValueError):
     """A plan that cannot work; the message names the parameter and the fix."""
+
+
+def _is_recompute_plan(value) -> bool:
+    from .memopt.recompute import RecomputePlan
+    return isinstance(value, RecomputePlan)
 
 
 def _positive_int(name: str, value) -> None:
@@ -60,9 +71,11 @@ class ParallelPlan:
     cp_layout: str = "zigzag"
     ep: int = 1
     zero: int = 0
+    dp_kind: str = "bucket"
     fsdp_replicate: "str | int | None" = None
     schedule: str = "1f1b"
     chunks: int = 1
+    layers: "tuple | None" = None
     microbatches: int = 1
     sequence_parallel: bool = False
     recompute: str | None = None
@@ -81,11 +94,20 @@ class ParallelPlan:
         if self.dp % self.ep:
             raise PlanError(f"ParallelPlan: ep={self.ep} must divide dp={self.dp} (expert parallelism spreads the "
                             f"experts over ep of the dp ranks)")
-        if self.schedule not in SCHEDULES:
+        if not callable(self.schedule) and self.schedule not in SCHEDULES:
             raise PlanError(f"ParallelPlan.schedule={self.schedule!r} is not a pipeline schedule; use one of "
-                            f"{SCHEDULES}")
-        if self.recompute is not None and self.recompute not in RECOMPUTE:
-            raise PlanError(f"ParallelPlan.recompute={self.recompute!r}: use None or one of {RECOMPUTE}")
+                            f"{SCHEDULES}, or a generator fn(S, M) of per-rank op lists")
+        if self.dp_kind not in DP_KINDS:
+            raise PlanError(f"ParallelPlan.dp_kind={self.dp_kind!r}: use one of {DP_KINDS}")
+        if isinstance(self.layers, list):                 # a list reads as naturally; the plan stays hashable
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.layers is not None and not (isinstance(self.layers, tuple) and self.layers and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.layers)):
+            raise PlanError(f"ParallelPlan.layers={self.layers!r}: use None, or a tuple of positive block counts, one "
+                            f"per pipeline stage (e.g. (3, 1))")
+        if self.recompute is not None and self.recompute not in RECOMPUTE and not _is_recompute_plan(self.recompute):
+            raise PlanError(f"ParallelPlan.recompute={self.recompute!r}: use None, one of {RECOMPUTE}, or a "
+                            f"RecomputePlan (course_lib.memopt.recompute.make_plan)")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise PlanError(f"ParallelPlan.precision={self.precision!r}: use None (the model's dtype) or one of "
                             f"{PRECISIONS}")
@@ -151,9 +173,12 @@ class ParallelPlan:
                             "sequence_parallel=False")
         if self.pp > 1:
             try:
-                plan_pipeline(cfg, self.pp, self.microbatches, self.schedule, chunks=self.chunks)
+                plan_pipeline(cfg, self.pp, self.microbatches, self.schedule, chunks=self.chunks, layers=self.layers)
             except ValueError as e:
                 raise PlanError(str(e)) from None
+        elif self.layers is not None:
+            raise PlanError(f"layers={self.layers} splits the blocks over pipeline stages, but pp=1; use pp ≥ 2, or "
+                            f"layers=None")
         elif self.chunks > 1:
             raise PlanError(f"chunks={self.chunks} interleaves virtual pipeline stages, but pp=1; use pp ≥ 2 with "
                             f"schedule='interleaved', or chunks=1")
@@ -167,11 +192,15 @@ class ParallelPlan:
 
     def _check_combination(self, cfg) -> None:
         """Combinations the course does not build, each with why (the techniques themselves run)."""
-        if self.cp > 1 and (self.tp > 1 or self.pp > 1):
-            other = f"tp={self.tp}" if self.tp > 1 else f"pp={self.pp}"
-            raise PlanError(f"context parallelism composes with dp and ZeRO here; with {other} the TP layers and "
-                            f"pipeline stages would need CP's token positions, which the course does not build yet; "
-                            f"use tp=1 and pp=1 with cp > 1")
+        if self.cp > 1 and self.tp > 1:
+            raise PlanError(f"context parallelism composes with dp, ZeRO and pp here; with tp={self.tp} the TP "
+                            f"layers would need CP's token positions (and SP a second split of the sequence), which "
+                            f"the course does not build yet; use tp=1 with cp > 1")
+        if self.cp > 1 and self.pp > 1 and (self.recompute is not None or self.offload_activations
+                                            or self.precision is not None):
+            raise PlanError("context × pipeline parallelism composes with dp, ZeRO-1/2 and every schedule here; "
+                            "recomputation, activation offload and mixed precision around ring attention inside a "
+                            "stage are not built; drop them with cp > 1 and pp > 1")
         if self.cp > 1 and cfg.dropout > 0:
             raise PlanError("context parallelism needs dropout=0 (ring attention recombines blocks of the attention "
                             "map, whose dropout masks would have to match one process's); use dropout=0")
@@ -216,4 +245,5 @@ class ParallelPlan:
                                 f"{self.precision!r}")
 
 
-__all__ = ["ParallelPlan", "PlanError", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "OPTIMIZER_TIERS", "REPLICATE"]
+__all__ = ["ParallelPlan", "PlanError", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "OPTIMIZER_TIERS", "REPLICATE",
+           "DP_KINDS"]

@@ -5,6 +5,8 @@
         run = job.train(steps=2, probes=[LedgerProbe(ctx.comm)])
         job.expected_bytes          # {'pp': …, 'dp': …, 'tp': …} per step, from each technique's formula
 
+    run, ddp = train_parallel(ctx.comm, cfg, tc, wrap)   # the one-axis form: a hand-written DP wrapper over dp
+
 The plan is checked first (`ParallelPlan.check`: sizes, divisibility, supported combinations), on every rank and
 before any rank talks to another. Then each technique is applied to the model the previous one left — every
 `apply_<technique>(model, mesh, *, options)` changes the model in place or returns a model of the same kind, so the
@@ -60,6 +62,11 @@ class Parallelized:
         return run(self.model, self.optimizer, self.batches, steps=steps, probes=probes, step_fn=self.step_fn,
                    keep_params=keep_params, progress=progress)
 
+    @property
+    def pipeline(self):
+        """This pp rank's executor (`course_lib.parallel.pipeline.Pipeline`; its `.stage`), or None without pp."""
+        return next((obj for name, obj in self.applied if name == "pipeline split"), None)
+
     def named_parameters(self):
         """This rank's parameters under the single-process model's names (what it holds of each)."""
         inner = self.model
@@ -93,24 +100,55 @@ class Parallelized:
         self.close()
 
 
-def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None) -> Parallelized:
+def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None, data_parallel=None,
+                config=None) -> Parallelized:
     """Apply `plan` to `model` (the course GPT, the same seed on every rank) on this rank of `mesh`; see the module
-    docstring. `train` is the TrainConfig (optimizer hyper-parameters, global batch, data seed)."""
+    docstring. `train` is the TrainConfig (optimizer hyper-parameters, global batch, data seed).
+
+    `data_parallel(model, dp_comm)`, if given, takes the place of the plan's data-parallel step (its dp_kind and
+    ZeRO stage): it returns the wrapped model, or a (model, optimizer) pair — a notebook's own DDP, torch's
+    DistributedDataParallel as the reference, a quantized all-reduce. The reducer is whatever it returns that has
+    `finish_gradient_synchronization` (the wrapper, else the optimizer); the plan's other techniques apply as
+    always. `config`: the GPTConfig of the data and the checks when `model` is not the course GPT (a module of
+    one's own, trained data-parallel only)."""
     from .train import TrainConfig
     tc = train or TrainConfig()
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize needs a course_lib.dist.mesh.Mesh, got {type(mesh).__name__}; build one with "
                         f"Mesh(ctx.comm, pp=…, dp=…, tp=…)")
-    plan.check(model.config, mesh.world.world_size, batch_size=tc.batch_size)
+    cfg = model.config if config is None else config
+    if config is not None and plan.world_size != plan.dp:
+        raise PlanError("config= trains a model of one's own data-parallel only; use the course GPT with tp, pp or cp")
+    plan.check(cfg, mesh.world.world_size, batch_size=tc.batch_size)
     sizes = {a: mesh.size(a) for a in ("pp", "dp", "cp", "tp", "ep")}
     want = {a: getattr(plan, a) for a in sizes}
     if sizes != want:
         raise PlanError(f"the mesh has {sizes} but the plan asks for {want}; build "
                         f"Mesh(comm, {', '.join(f'{a}={v}' for a, v in want.items())})")
-    return _build(model, mesh, plan, tc)
+    if data_parallel is not None and (plan.zero or plan.offload_optimizer is not None or cfg.n_expert):
+        raise PlanError("data_parallel= replaces the plan's data-parallel step, so the plan must not ask for one "
+                        "of its own: use zero=0, offload_optimizer=None and a dense model with it")
+    return _build(model, mesh, plan, tc, data_parallel, cfg)
 
 
-def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
+def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), accum_steps: int = 1,
+                   keep_params: bool = False, progress: bool = False):
+    """The one-axis form of `parallelize`: train the course GPT (or `model`) over all ranks as dp, `wrap(model,
+    comm)` reducing the gradients (a wrapper, or a (model, optimizer) pair; None: the plan's bucketed DDP), each
+    rank's share of every global batch of `tc.batch_size` sequences in `accum_steps` micro-steps, `tc.steps` steps
+    of `train.run`. Returns (train.Run, the wrapped model); compare with `train.train_reference(cfg, tc)`."""
+    from .dist.mesh import axis_comm
+    from .model import GPT
+    comm = axis_comm(mesh_or_comm, "dp")
+    mesh = mesh_or_comm if isinstance(mesh_or_comm, Mesh) else Mesh(comm, dp=comm.world_size)
+    own = model is not None and not hasattr(model, "config")       # a module of one's own: cfg says the data
+    model = GPT(cfg, seed=tc.seed) if model is None else model
+    plan = ParallelPlan(dp=mesh.size("dp"), microbatches=accum_steps)
+    with parallelize(model, mesh, plan, train=tc, data_parallel=wrap, config=cfg if own else None) as job:
+        return job.train(tc.steps, probes=probes, keep_params=keep_params, progress=progress), job.model
+
+
+def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Parallelized:
     from . import optim
     from .memopt.offload import activation_offload_of, apply_activation_offload
     from .memopt.precision import apply_precision
@@ -124,7 +162,7 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
     from .parallel.zero import ShardedOptimizer
     from .train import forward_backward, optimizer_kwargs
     applied = []
-    cfg, M = model.config, plan.microbatches
+    M = plan.microbatches
     if plan.cp > 1:                                                           # context parallel
         model = apply_cp(model, mesh, layout=plan.cp_layout)
         applied.append(("context parallel", model))
@@ -133,8 +171,9 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
         applied.append(("tensor parallel", model))
     step_fn, pipe = forward_backward, None
     if plan.pp > 1:                                                           # pipeline split
-        model, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=plan.schedule, chunks=plan.chunks)
-        step_fn = pipe
+        model = apply_pipeline(model, mesh, num_microbatches=M, schedule=plan.schedule, chunks=plan.chunks,
+                               layers=plan.layers)
+        step_fn = pipe = model.pipeline
         applied.append(("pipeline split", pipe))
     if plan.ep > 1:                                                           # expert parallel
         apply_ep(model, mesh)
@@ -155,7 +194,10 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
     hyper = optimizer_kwargs(tc)                                              # data parallel / ZeRO, optimizer
     group = mesh.group("dp", "cp")
     wrapped, optimizer = model, None
-    if cfg.n_expert:
+    if data_parallel is not None:                 # the caller's own reducer over dp (see parallelize)
+        out = data_parallel(model, group)
+        wrapped, optimizer = out if isinstance(out, tuple) else (out, None)
+    elif cfg.n_expert:
         wrapped = ExpertDataParallel(model, mesh)
     elif plan.zero == 3:
         wrapped = apply_fsdp(model, group, **_fsdp_options(plan, recipe))
@@ -173,22 +215,26 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc) -> Parallelized:
         optimizer = ShardedOptimizer(model.parameters(), optim.optimizer_class(recipe, scaler=scaler, vote=mesh),
                                      group, stage=plan.zero, **hyper)
     elif group.world_size > 1:
-        wrapped = apply_dp(model, group, kind="bucket")
+        wrapped = apply_dp(model, group, kind=plan.dp_kind)
     if wrapped is not model:
         applied.append(("data parallel / ZeRO", wrapped))
-    if optimizer is None:
-        optimizer = optim.make(model.parameters(), recipe, scaler=scaler, vote=mesh, **hyper)
+    if optimizer is None:      # over what the wrapper trains (FSDP's shards are its module's parameters then)
+        params = (getattr(wrapped, "module", wrapped) if data_parallel is not None else model).parameters()
+        optimizer = optim.make(params, recipe, scaler=scaler, vote=mesh, **hyper)
     applied.append(("optimizer", optimizer))
     # what reduces the gradients over dp: a wrapper around the model (DDP, FSDP) or the ZeRO-1/2 optimizer
-    reducer = wrapped if wrapped is not model else (optimizer if isinstance(optimizer, ShardedOptimizer) else None)
+    reducer = wrapped if wrapped is not model else (
+        optimizer if hasattr(optimizer, "finish_gradient_synchronization") else None)
     if pipe is not None:
         pipe.data_parallel = reducer
-    elif reducer is not None and reducer is not wrapped:          # ZeRO-1/2: accumulate, then reduce once
+    elif reducer is not None and reducer is not wrapped and (data_parallel is None or M > 1):
+        # ZeRO-1/2: accumulate, then reduce once (a caller's own optimizer-reducer keeps its step() alone when
+        # there is nothing to accumulate: the loop it was written for has no 'sync' phase then)
         step_fn = functools.partial(forward_backward, sync=reducer)
     b = tc.batch_size // (plan.dp * M)
     batches = mesh.batches(cfg.seq_len, b, accum_steps=M, seed=tc.data_seed)
     job = Parallelized(wrapped, optimizer, step_fn, batches, plan, mesh, applied=applied)
-    job.expected_bytes = _expected_bytes(job, model, pipe, reducer, b)
+    job.expected_bytes = _expected_bytes(job, model, cfg, pipe, reducer, b)
     return job
 
 
@@ -204,18 +250,18 @@ def _fsdp_options(plan: ParallelPlan, recipe) -> dict:
     return out
 
 
-def _expected_bytes(job: Parallelized, model, pipe, reducer, b: int) -> dict:
+def _expected_bytes(job: Parallelized, model, cfg, pipe, reducer, b: int) -> dict:
     """Bytes this rank sends per step on each mesh axis, summed from each technique's own formula (the ledger's
     group names: 'dp' becomes 'dp×cp' when context parallelism shares the reduction)."""
     from .parallel.context import ring_bytes_per_layer
     from .parallel.pipeline import boundary_bytes
     from .parallel.tensor import tp_bytes_per_step
-    plan, mesh, cfg = job.plan, job.mesh, model.config
+    plan, mesh = job.plan, job.mesh
     M, T, d = plan.microbatches, cfg.seq_len, cfg.d_model
     e = next(model.parameters()).element_size()
     out = {}
     if plan.pp > 1:
-        out["pp"] = boundary_bytes(pipe.plan, b, T, d, e, tp_size=plan.tp,
+        out["pp"] = boundary_bytes(pipe.plan, b, T // plan.cp, d, e, tp_size=plan.tp,     # T/cp: CP's tokens
                                    sequence_parallel=plan.sequence_parallel)[mesh.pp_rank]
     if plan.tp > 1:
         parts = pipe.plan.parts(mesh.pp_rank) if pipe is not None else {}
@@ -226,11 +272,12 @@ def _expected_bytes(job: Parallelized, model, pipe, reducer, b: int) -> dict:
             out["tp"] += M * rerun_tp_bytes(model.recompute_plan, cfg, b, plan.tp, mesh.tp_rank, e,
                                             sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
-        out["cp"] = cfg.n_layer * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
+        layers = pipe.plan.parts(mesh.pp_rank)["layers"] if pipe is not None else cfg.n_layer   # the blocks here
+        out["cp"] = layers * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
     if reducer is not None and hasattr(reducer, "expected_bytes_sent"):
         per = M if getattr(reducer, "reduces_per_microbatch", False) else 1      # FSDP: every micro-batch
         out[mesh.group("dp", "cp").name] = per * reducer.expected_bytes_sent()
     return out
 
 
-__all__ = ["parallelize", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]
+__all__ = ["parallelize", "train_parallel", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]

@@ -162,26 +162,71 @@ def plot_losses(curves: dict, *, ax=None, title: str = "Training loss", ref_line
     return ax
 
 
-def explorer(draw, /, **controls):
-    """Widgets that call ``draw(**their values)`` again whenever one of them changes; returns the box to display.
+def explorer(draw, /, **controls) -> "Explorer":
+    """Controls that redraw ``draw(**their values)`` in place; display the result (``display(explorer(...))``).
 
-    Unlike ``ipywidgets.interact``, nothing is drawn when the box is built: the notebook draws the default figure
-    itself, as ordinary output, which is also what a reader without a live kernel sees. A notebook runner
-    (papermill's nbclient) keeps an Output widget's state by messaging the kernel while it waits for the cell to
-    finish, and drawing into one while the cell ran sometimes left that cell waiting out its whole timeout
-    (jupyter/nbclient#312). Drawing only on change keeps the widget empty until a person moves a control.
+    The default figure is drawn once, when the explorer is built (so ``.result`` holds what ``draw`` returned for
+    the defaults, for the notebook to assert on), and shown when the explorer is displayed: the controls, then
+    what ``draw`` printed and the figures it drew, each output under a display id. Moving a control draws again
+    and updates those outputs in place, so the cell always ends with one figure. A reader without a live kernel
+    (papermill, nbval, the book) sees the default figure as ordinary output.
+
+    Nothing is drawn into an Output widget: a notebook runner (papermill's nbclient) keeps an Output widget's
+    state by messaging the kernel while it waits for the cell to finish, and drawing into one while the cell ran
+    sometimes left that cell waiting out its whole timeout (jupyter/nbclient#312). Output printed by a redraw
+    would go to JupyterLab's log console, so it is captured and shown in the cell's text output instead.
     """
-    from ipywidgets import Output, VBox
-
     if not controls:
         raise ValueError("explorer needs at least one control, e.g. n=IntSlider(value=4, min=1, max=8)")
-    out = Output()
+    return Explorer(draw, controls)
 
-    def redraw(_change=None):
-        with out:
-            out.clear_output(wait=True)
-            draw(**{name: w.value for name, w in controls.items()})
 
-    for w in controls.values():
-        w.observe(redraw, names="value")
-    return VBox([*controls.values(), out])
+_EMPTY = ({"text/plain": ""}, {})
+
+
+class Explorer:
+    """What `explorer` returns: `.controls` (the widget box), `.result` (what the last draw returned)."""
+
+    def __init__(self, draw, controls: dict):
+        from ipywidgets import VBox
+        self.draw, self._widgets, self.controls = draw, controls, VBox(list(controls.values()))
+        self.result, self._text, self._rich = self._run()          # the default: errors here stop the cell
+        self._slots = max(1, len(self._rich))                      # one text output, then the figures
+        self._handles = []
+        for w in controls.values():
+            w.observe(self._redraw, names="value")
+
+    def _run(self):
+        """Call draw with the controls' values; return (result, printed text, [(data, metadata)] displayed)."""
+        from IPython.display import display
+        from IPython.utils.capture import capture_output
+        before = set(plt.get_fignums())
+        with capture_output() as cap:
+            result = self.draw(**{name: w.value for name, w in self._widgets.items()})
+            for num in plt.get_fignums():           # figures drawn but not shown (a non-inline backend)
+                if num not in before:
+                    fig = plt.figure(num)
+                    display(fig)
+                    plt.close(fig)
+        rich = [(o.data, o.metadata or {}) for o in cap.outputs]
+        return result, cap.stdout + cap.stderr, rich
+
+    def _outputs(self):
+        rich = self._rich[:self._slots]
+        text = self._text
+        if len(self._rich) > self._slots:
+            text += f"({len(self._rich) - self._slots} more figure(s) than the default drew, not shown)\n"
+        return [({"text/plain": text.rstrip("\n")}, {})] + rich + [_EMPTY] * (self._slots - len(rich))
+
+    def _ipython_display_(self):
+        from IPython.display import display
+        display(self.controls)
+        self._handles = [display(data, metadata=md, raw=True, display_id=True) for data, md in self._outputs()]
+
+    def _redraw(self, _change=None):
+        try:
+            self.result, self._text, self._rich = self._run()
+        except Exception as err:                    # shown in the cell: a callback's traceback goes to the log
+            self._text, self._rich = f"{type(err).__name__}: {err}", []
+        for handle, (data, md) in zip(self._handles, self._outputs()):
+            handle.update(data, metadata=md, raw=True)

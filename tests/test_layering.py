@@ -16,7 +16,8 @@ LAYERS = (
     ("train", {"train"}),
     ("techniques", {"parallel", "memopt", "optim", "transports", "fits"}),
     ("systems", {"resilience", "io"}),
-    ("composer", {"parallel_plan", "parallelize", "checks", "capstone", "capstone_survey", "capstone_plots"}),
+    ("composer", {"parallel_plan", "parallelize", "checks", "calculator", "capstone", "capstone_survey",
+                  "capstone_plots"}),
 )
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 

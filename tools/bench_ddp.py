@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _median_step(ctx, wrap, cfg, tc, warmup):
-    from course_lib.parallel.compose import train_parallel
+    from course_lib.parallelize import train_parallel
     run, _ = train_parallel(ctx.comm, cfg, tc, wrap)
     return statistics.median(run.step_seconds[warmup:])
 

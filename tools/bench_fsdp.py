@@ -15,7 +15,8 @@ import statistics
 
 from course_lib.dist.launch import launch
 from course_lib.model import get_config, param_count
-from course_lib.parallel.compose import STAGE_NAMES, apply_zero, train_parallel
+from course_lib.parallel.compose import STAGE_NAMES, apply_zero
+from course_lib.parallelize import train_parallel
 from course_lib.train import TrainConfig, optimizer_kwargs
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")

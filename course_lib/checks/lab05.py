@@ -13,8 +13,7 @@ import torch
 
 from ..data import ShardedBatches
 from ..model import GPT, get_config
-from ..parallel.pipeline import (Op, ScheduleError, bubble_formula, bubble_fraction, in_flight, make_schedule, simulate,
-                                 train_pipeline)
+from ..parallel.pipeline import Op, ScheduleError, bubble_formula, bubble_fraction, in_flight, make_schedule, simulate
 from . import check, run_ranks
 
 CFG = get_config("nano", n_layer=4, seq_len=32)      # 4 blocks: up to 4 stages; short sequences: a fast check
@@ -119,8 +118,10 @@ def _trains(ctx, one_f_one_b, M):
     from ..train import GradProbe, TrainConfig
     mesh = Mesh(ctx.comm, pp=ctx.world_size)
     tc = TrainConfig(steps=1, batch_size=2 * M)
-    run, _, _ = train_pipeline(mesh, CFG, tc, schedule=one_f_one_b, num_microbatches=M, dtype=torch.float64,
-                               probes=[GradProbe()])
+    from ..parallelize import ParallelPlan, parallelize
+    plan = ParallelPlan(pp=ctx.world_size, schedule=one_f_one_b, microbatches=M)    # the learner's schedule
+    with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train=tc) as job:
+        run = job.train(tc.steps, probes=[GradProbe()])
     return {"grads": run["grads"], "loss": run.losses[0], "sent": ctx.comm.ledger.bytes_sent(group="pp")}
 
 

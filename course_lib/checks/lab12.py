@@ -132,7 +132,7 @@ def check_blockwise(blockwise_attention) -> None:
 
 
 def _ring_worker(ctx, merge, T):
-    """Forward ring attention with the learner's merge: the library's ring transfer (`_rotate`), zig-zag split."""
+    """Forward ring attention with the learner's merge: the library's ring transfer (`rotate`), zig-zag split."""
     comm, r, cp = ctx.comm, ctx.rank, ctx.world_size
     q, k, v = (_rand(B, NH, T, HS, seed=40 + i) for i in range(3))
     all_pos = [C.positions(T, cp, j) for j in range(cp)]
@@ -143,17 +143,15 @@ def _ring_worker(ctx, merge, T):
     comm.ledger.reset()
     try:
         for s in range(cp):
-            pending = C._rotate(comm, kv, "lab12:kv") if s < cp - 1 else None
+            pending = C.rotate(comm, kv, "lab12:kv") if s < cp - 1 else None
             j = (r - s) % cp
             visible = all_pos[r][:, None] >= all_pos[j][None, :]
             acc = merge(acc, partial_attention(mine[0], kv[0], kv[1], visible))
             if pending is not None:
-                sends, recvs, bufs = pending
-                C._finish(recvs + sends)
-                kv = tuple(bufs)
+                kv = pending.wait()
     except NotImplementedError:
-        for h in (pending[0] + pending[1]) if pending else ():   # let the neighbours' transfers complete
-            h.wait()
+        if pending is not None:                  # let the neighbours' transfers complete
+            pending.wait()
         return NOT_IMPLEMENTED
     out = acc[0] / acc[2]
     want = C.shard(C.reference_attention(q, k, v), cp, r, dim=2)

@@ -1,12 +1,12 @@
 """Every `apply_<technique>(model, mesh, ...)` of the course in one namespace, for notebooks and labs.
 
 The composer is `course_lib.parallelize.parallelize(model, mesh, plan)`: it applies them in the one order they
-compose in, with the reason for each position (`parallelize.ORDER`), and builds the optimizer last. Each
-technique lives in its own file and imports nothing from here; this module only re-exports them, plus
-`train_parallel`, the one-axis helper notebooks 03, 04 and 09 train with.
+compose in, with the reason for each position (`parallelize.ORDER`), and builds the optimizer last; its
+`train_parallel` is the one-axis form notebooks 03, 04 and 09 train with (a hand-written data-parallel wrapper over
+dp). Each technique lives in its own file and imports nothing from here; this module only re-exports them.
 
     apply_tp        parallel.tensor      rewrites the layers (which rows or columns of each weight a rank holds)
-    apply_pipeline  parallel.pipeline    keeps this stage's blocks; (stage, step_fn); PP then TP works too
+    apply_pipeline  parallel.pipeline    keeps this stage's blocks: the stage, its executor stage.pipeline
     apply_recompute memopt.recompute     hooks on the blocks that run here; the replay re-issues TP's collectives
     apply_offload   memopt.offload       activations on the same blocks; the optimizer as ZeRO's inner one
     apply_precision memopt.precision     casts in place, keeps fp32 masters; the optimizer comes from course_lib.optim
@@ -14,42 +14,15 @@ technique lives in its own file and imports nothing from here; this module only 
 """
 from __future__ import annotations
 
-import torch.nn as nn
-
 from ..dist.mesh import axis_comm, data_parallel_batches  # noqa: F401  (re-exported: notebooks import them here)
 from ..memopt.precision import apply_precision  # noqa: F401  step 4 (notebook 09), re-exported for the capstone
 from ..memopt.recompute import apply_recompute  # noqa: F401  step 3 (notebook 08), re-exported for the capstone
 from .dp import DP_KINDS, apply_dp  # noqa: F401  5. data parallelism over dp (notebook 03)
 from .fsdp import apply_fsdp  # noqa: F401  5. ZeRO-3 / FSDP over dp (notebook 04)
-from .pipeline import apply_pipeline  # 2. pipeline split over pp (notebook 05): (stage, step_fn for train.run)
+from .pipeline import apply_pipeline  # noqa: F401  2. pipeline split over pp (notebook 05): the stage
 from .zero import STAGE_NAMES, apply_zero  # noqa: F401  5. ZeRO stages 0-3 over dp (notebook 04)
-
-
-def train_parallel(mesh_or_comm, cfg, tc, wrap, *, model: nn.Module | None = None, probes=(), accum_steps: int = 1,
-                   keep_params: bool = False, progress: bool = False):
-    """Train the course GPT (or `model`) on this rank with `train.run`: `wrap(model, comm)` returns the wrapped
-    model (its optimizer is then the course's AdamW over its parameters) or a (model, optimizer) pair; the data is
-    this dp rank's share of each global batch of `tc.batch_size` sequences, in `accum_steps` micro-steps. Returns
-    (train.Run, the wrapped model). Comparable with `train.train_reference(cfg, tc)` on one process."""
-    from ..model import GPT
-    from ..train import closing, make_optimizer, run
-    comm = axis_comm(mesh_or_comm, "dp")
-    model = GPT(cfg, seed=tc.seed) if model is None else model
-    wrapped = wrap(model, comm)
-    wrapped, optimizer = wrapped if isinstance(wrapped, tuple) else (wrapped, None)
-    if optimizer is None:
-        optimizer = make_optimizer(getattr(wrapped, "module", wrapped).parameters(), tc)
-    batches = data_parallel_batches(mesh_or_comm, model.config.seq_len if hasattr(model, "config") else cfg.seq_len,
-                                    tc.batch_size, accum_steps=accum_steps, seed=tc.data_seed)
-    with closing(wrapped):                 # e.g. the overlapped DDP's communication thread
-        out = run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, keep_params=keep_params,
-                  progress=progress)
-    return out, wrapped
-
-
-
 from .tensor import apply_tp  # noqa: E402  (step 1 above: tensor parallelism over tp, course_lib.parallel.tensor)
 from ..memopt.offload import apply_offload  # noqa: E402  (offload: activations at 3, ZeRO's inner optimizer at 5)
 
 __all__ = ["apply_dp", "apply_fsdp", "apply_precision", "apply_recompute", "apply_zero", "apply_tp", "apply_pipeline",
-           "apply_offload", "axis_comm", "data_parallel_batches", "train_parallel", "DP_KINDS", "STAGE_NAMES"]
+           "apply_offload", "axis_comm", "data_parallel_batches", "DP_KINDS", "STAGE_NAMES"]

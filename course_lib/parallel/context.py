@@ -21,8 +21,10 @@ block it holds — S = Q·Kⱼᵀ/√d_h, masked by global positions — and mer
     output O = o / l,   kept for backward: O and the log-sum-exp m + log l (not the T×T probabilities)
 
 Backward (FlashAttention's, per block): D = rowsum(dO ∘ O), P = e^(S − lse), dV_j += Pᵀ·dO, dS = P ∘ (dO·V_jᵀ − D),
-dQ += dS·K_j/√d_h, dK_j += dSᵀ·Q/√d_h; the block's K, V and its dK, dV accumulators travel the ring together, and
-after the last step dK, dV take one more hop home. Bytes each rank sends per attention layer (docs/formulas.md §11):
+dQ += dS·K_j/√d_h, dK_j += dSᵀ·Q/√d_h; as in forward, the block's K and V move on to the next rank while this rank
+computes with them, and its dK, dV accumulators follow once this rank has added its part; after the last step dK,
+dV take one more hop home. The hooks are public: `rotate` (one hop, a `Transfer` to wait for) and `block_spans`
+(ring attention logs each step's block computation in the ledger, for timelines and per-rank work). Bytes each rank sends per attention layer (docs/formulas.md §11):
 
     forward   2·(cp − 1) blocks          backward   4·(cp − 1) + 2 blocks,     a block = b·(T/cp)·d·e bytes
     (K and V, cp − 1 hops)              (K, V, dK, dV, cp − 1 hops; then dK, dV home)
@@ -32,6 +34,7 @@ reduce-scatter of dK, dV backward), the ring sends as much but holds one remote 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -104,18 +107,49 @@ def _block_scores(q, k, pos_q, pos_k, scale):
     return s.masked_fill(~visible, float("-inf"))
 
 
-def _rotate(comm, tensors, tag):
-    """Start sending `tensors` to the next cp rank and receiving the same shapes from the previous one."""
+# ---------------------------------------------------------------------------- the ring's hooks (public, for labs)
+class Transfer:
+    """One ring hop in flight (`rotate`): the sends to the next cp rank and the receives from the previous one are
+    posted; `wait()` returns the received tensors once they have arrived and the sends have completed."""
+
+    def __init__(self, sends, recvs, bufs):
+        self.sends, self.recvs, self.bufs = sends, recvs, bufs
+
+    def wait(self) -> tuple:
+        for h in self.recvs + self.sends:
+            h.wait()
+        return tuple(self.bufs)
+
+
+def rotate(comm, tensors, tag: str) -> Transfer:
+    """Start sending `tensors` to the next cp rank, (r + 1) mod cp, and receiving the same shapes from the previous
+    one: the one hop of the ring, which ring attention posts before computing on the block it holds."""
     r, p = comm.rank, comm.world_size
     sends = [comm.isend(t.contiguous(), (r + 1) % p, tag=tag) for t in tensors]
     bufs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
     recvs = [comm.irecv(b, (r - 1) % p, tag=tag) for b in bufs]
-    return sends, recvs, bufs
+    return Transfer(sends, recvs, bufs)
 
 
-def _finish(handles):
-    for h in handles:
-        h.wait()
+_SPANS: list = []          # the communicators `block_spans` logs to (innermost last)
+
+
+@contextlib.contextmanager
+def block_spans(comm):
+    """While active, ring attention logs every ring step's block computation, forward and backward, in `comm`'s
+    ledger: a 'compute' event tagged 'block' from the moment the step's transfer is posted to the moment it is
+    waited for — the window in which the transfer overlaps the computation (`course_lib.plots.plot_timeline`
+    draws it; the sum of the spans is the rank's attention work)."""
+    _SPANS.append(comm)
+    try:
+        yield
+    finally:
+        _SPANS.remove(comm)
+
+
+def block_span():
+    """The span of one ring step's block computation (see `block_spans`); nothing when no one logs them."""
+    return _SPANS[-1].compute("block") if _SPANS else contextlib.nullcontext()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -129,20 +163,19 @@ class _RingAttention(torch.autograd.Function):
         l = torch.zeros_like(m)
         kv = (k, v)
         for s in range(p):
-            pending = _rotate(comm, kv, f"{tag}:kv") if s < p - 1 else None
-            j = (r - s) % p
-            scores = _block_scores(q, kv[0], pos_q, all_pos[j], scale)
-            if scores is not None:
-                m_new = torch.maximum(m, scores.amax(-1, keepdim=True))   # finite: step 0 is the diagonal block
-                alpha = torch.exp(m - m_new)
-                e = torch.exp(scores - m_new)
-                l = l * alpha + e.sum(-1, keepdim=True)
-                o = o * alpha + e @ kv[1]
-                m = m_new
+            with block_span():
+                pending = rotate(comm, kv, f"{tag}:kv") if s < p - 1 else None   # the next block, meanwhile:
+                j = (r - s) % p
+                scores = _block_scores(q, kv[0], pos_q, all_pos[j], scale)
+                if scores is not None:
+                    m_new = torch.maximum(m, scores.amax(-1, keepdim=True))   # finite: step 0 is the diagonal block
+                    alpha = torch.exp(m - m_new)
+                    e = torch.exp(scores - m_new)
+                    l = l * alpha + e.sum(-1, keepdim=True)
+                    o = o * alpha + e @ kv[1]
+                    m = m_new
             if pending is not None:
-                sends, recvs, bufs = pending
-                _finish(recvs + sends)
-                kv = tuple(bufs)
+                kv = pending.wait()
         out = o / l
         ctx.save_for_backward(q, k, v, out, m + torch.log(l))
         ctx.comm, ctx.all_pos, ctx.tag, ctx.scale = comm, all_pos, tag, scale
@@ -150,6 +183,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        """The same ring, with the same overlap as forward: K and V of the block held move on while this rank
+        computes with them; the block's dK, dV accumulators follow once this rank has added its part."""
         q, k, v, out, lse = ctx.saved_tensors
         comm, all_pos, tag, scale = ctx.comm, ctx.all_pos, ctx.tag, ctx.scale
         r, p = comm.rank, comm.world_size
@@ -157,29 +192,28 @@ class _RingAttention(torch.autograd.Function):
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(-1, keepdim=True)                                  # (B, nh, n, 1)
         dq = torch.zeros_like(q)
-        block = (k, v, torch.zeros_like(k), torch.zeros_like(v))                     # K, V, dK, dV of rank j
+        kv, dkv = (k, v), (torch.zeros_like(k), torch.zeros_like(v))                 # K, V and dK, dV of rank j
         for s in range(p):
             j = (r - s) % p
-            kj, vj, dkj, dvj = block
-            scores = _block_scores(q, kj, pos_q, all_pos[j], scale)
-            if scores is not None:
-                prob = torch.exp(scores - lse)                                       # (B, nh, n, n)
-                dvj = dvj + prob.transpose(-2, -1) @ d_out
-                ds = prob * (d_out @ vj.transpose(-2, -1) - delta)
-                dq = dq + (ds @ kj) * scale
-                dkj = dkj + (ds.transpose(-2, -1) @ q) * scale
-            if s < p - 1:
-                sends, recvs, bufs = _rotate(comm, (kj, vj, dkj, dvj), f"{tag}:kv.bwd")
-                _finish(recvs + sends)
-                block = tuple(bufs)
+            with block_span():
+                moving = rotate(comm, kv, f"{tag}:kv.bwd") if s < p - 1 else None   # K, V go on meanwhile
+                (kj, vj), (dkj, dvj) = kv, dkv
+                scores = _block_scores(q, kj, pos_q, all_pos[j], scale)
+                if scores is not None:
+                    prob = torch.exp(scores - lse)                                   # (B, nh, n, n)
+                    dvj = dvj + prob.transpose(-2, -1) @ d_out
+                    ds = prob * (d_out @ vj.transpose(-2, -1) - delta)
+                    dq = dq + (ds @ kj) * scale
+                    dkj = dkj + (ds.transpose(-2, -1) @ q) * scale
+            if moving is not None:        # dK, dV follow their K, V; the last pair held is rank r+1's: it goes home
+                following = rotate(comm, (dkj, dvj), f"{tag}:dkv.bwd")
+                kv, dkv = moving.wait(), following.wait()
             else:
-                block = (None, None, dkj, dvj)
-        if p > 1:                                     # the last block held is rank r+1's: send its dK, dV home
-            sends, recvs, bufs = _rotate(comm, block[2:], f"{tag}:dkv.bwd")
-            _finish(recvs + sends)
-            dk, dv = bufs
+                dkv = (dkj, dvj)
+        if p > 1:
+            dk, dv = rotate(comm, dkv, f"{tag}:dkv.bwd").wait()
         else:
-            dk, dv = block[2:]
+            dk, dv = dkv
         return dq, dk, dv, None, None, None
 
 
@@ -234,7 +268,9 @@ class ContextParallelGPT(nn.Module):
     """The course GPT on one cp rank: the same modules under the same names; `embed` keeps this rank's tokens of
     the (B, T) input and their positions, every block's attention core is ring attention, `loss` is the mean over
     this rank's tokens. The cp ranks' gradients are partial sums: reduce them over dp × cp, as DDP does
-    (`apply_dp(model, mesh.group("dp", "cp"))`): the mean of the cp ranks' means is the mean over all T tokens."""
+    (`apply_dp(model, mesh.group("dp", "cp"))`): the mean of the cp ranks' means is the mean over all T tokens.
+    A pipeline cuts it like the GPT (`apply_pipeline`): each stage runs this model's embed, head and loss, and its
+    blocks' ring attention over the cp peers that hold the same stage; (B, T/cp, d) crosses each boundary."""
 
     def __init__(self, model, comm, layout: str):
         super().__init__()
@@ -263,6 +299,10 @@ class ContextParallelGPT(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))                                            # (B, T/cp, V)
 
+    def hidden_shape(self, batch_size: int, seq_len: int | None = None) -> tuple[int, int, int]:
+        """What flows between blocks on this rank — and across a pipeline stage boundary: (B, T/cp, d)."""
+        return (batch_size, (seq_len or self.config.seq_len) // self.comm.world_size, self.config.d_model)
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets.index_select(1, self._positions(targets.shape[1])))
 
@@ -289,5 +329,6 @@ def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelG
     return ContextParallelGPT(model, axis_comm(mesh_or_comm, "cp"), layout)
 
 
-__all__ = ["ContextParallelGPT", "apply_cp", "LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard", "ring_bytes_per_layer",
-           "ring_attention", "allgather_attention", "allgather_bytes_per_layer", "reference_attention"]
+__all__ = ["ContextParallelGPT", "apply_cp", "LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard",
+           "ring_bytes_per_layer", "ring_attention", "allgather_attention", "allgather_bytes_per_layer",
+           "reference_attention", "Transfer", "rotate", "block_spans", "block_span"]

@@ -2,19 +2,17 @@
 expert, and the bytes and memory per rank of context and expert parallelism as the sizes change (the formulas of
 docs/formulas.md §11–12, from `course_lib.parallel.context` and `course_lib.moe`; nothing is computed twice here).
 
-`block_spans(comm)` marks each ring step's block computation as a compute span in the traffic ledger — the window
-between posting the K/V transfer and waiting for it — so `course_lib.plots.plot_timeline` can show the transfer
-overlapping the computation.
+`block_spans(comm)` (ring attention's own hook, `course_lib.parallel.context.block_spans`, re-exported here) marks
+each ring step's block computation as a compute span in the traffic ledger — the window between posting the K/V
+transfer and waiting for it — so `course_lib.plots.plot_timeline` can show the transfer overlapping the computation.
 """
 from __future__ import annotations
-
-import contextlib
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 from . import context as C
+from .context import block_spans  # noqa: F401  (re-exported: notebook 12 draws with it)
 from .expert import expert_bytes_per_forward
 
 CMAP = plt.get_cmap("tab10")
@@ -59,30 +57,6 @@ def plot_router_counts(counts, capacity: int, *, dropped: int, demand=None, titl
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
-
-
-@contextlib.contextmanager
-def block_spans(comm):
-    """While active, every ring step of `context`'s ring attention logs a 'compute' event (tag 'block') in
-    `comm`'s ledger from the moment its K/V transfer is posted to the moment it is waited for."""
-    rotate, finish = C._rotate, C._finish
-    started: list = []
-
-    def traced_rotate(c, tensors, tag):
-        out = rotate(c, tensors, tag)
-        started.append(time.perf_counter())     # the ledger's clock
-        return out
-
-    def traced_finish(handles):
-        if started:
-            comm._log("compute", "block", "block", started.pop())
-        finish(handles)
-
-    C._rotate, C._finish = traced_rotate, traced_finish
-    try:
-        yield
-    finally:
-        C._rotate, C._finish = rotate, finish
 
 
 def plot_cp_explorer(seq_len: int = 4096, cp: int = 4, n_expert: int = 8, top_k: int = 2, *, micro_batch_size=1,

@@ -13,4 +13,5 @@ rank, and how often to checkpoint. Notebook 10.
     failures     Young/Daly's checkpoint interval and a seeded simulation of goodput, and fault injectors
     references   the production references: torchrun --max-restarts, torch.distributed.checkpoint, torchft;
                  the workers that run under them
+    plots        Bamboo's recovery drawn from the survivors' records
 """

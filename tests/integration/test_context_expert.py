@@ -42,6 +42,11 @@ def _ring(ctx, T, layouts, seed):
         errs = [(y - want).abs().max().item()] + [(a.grad - C.shard(b.grad, cp, r, layout, 2)).abs().max().item()
                                                   for a, b in zip(ag, ref)]
         out[layout + "/allgather"] = {"err": max(errs), "fwd": fwd, "bwd": ctx.comm.ledger.bytes_sent() - fwd}
+    mine = [C.shard(t, cp, r, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    ctx.comm.ledger.reset()
+    with C.block_spans(ctx.comm):                  # ring attention logs each step's block computation itself
+        C.ring_attention(*mine, ctx.comm, seq_len=T).backward(C.shard(d_out, cp, r, dim=2))
+    out["events"] = [(e.kind, e.op, e.tag, e.t0, e.t1) for e in ctx.comm.ledger.events]
     return out
 
 
@@ -57,6 +62,22 @@ def test_ring_attention_equals_one_process_forward_and_backward_with_the_ring_by
             assert (r[layout]["fwd"], r[layout]["bwd"]) == (want["forward"], want["backward"])
             ag = r[layout + "/allgather"]                 # Llama 3's all-gathered K/V: the same result, fewer bytes
             assert ag["err"] < 1e-12 and (ag["fwd"], ag["bwd"]) == (gathered["forward"], gathered["backward"])
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_attention_posts_each_next_kv_block_before_computing_forward_and_backward(cp):
+    """The overlap by construction (an order, not a timing): every K/V send of the ring, forward ('cp:kv') and
+    backward ('cp:kv.bwd'), is posted inside the block-computation span of the step that holds the block, and each
+    pass logs one span per ring step; dK, dV ('cp:dkv.bwd') follow after the span that updated them."""
+    for r in launch(_ring, cp, 24, (), cp, timeout=120):
+        spans = [(t0, t1) for kind, _, tag, t0, t1 in r["events"] if kind == "compute" and tag == "block"]
+        assert len(spans) == 2 * cp                              # cp steps forward, cp steps backward
+        for tag in ("cp:kv", "cp:kv.bwd"):
+            posted = [t0 for kind, op, tg, t0, _ in r["events"] if op == "send" and tg == tag]
+            assert len(posted) == 2 * (cp - 1), tag              # K and V, cp − 1 hops
+            assert all(any(a <= t <= b for a, b in spans) for t in posted), tag
+        follow = [t0 for _, op, tg, t0, _ in r["events"] if op == "send" and tg == "cp:dkv.bwd"]
+        assert len(follow) == 2 * cp and not any(a <= t <= b for a, b in spans for t in follow)
 
 
 def test_the_zigzag_split_gives_every_rank_the_same_causal_work():

@@ -24,7 +24,8 @@ from course_lib.data import ShardedBatches
 from course_lib.dist.launch import launch
 from course_lib.model import GPT, get_config
 from course_lib.parallel import dp as D
-from course_lib.parallel.compose import data_parallel_batches, train_parallel
+from course_lib.parallel.compose import data_parallel_batches
+from course_lib.parallelize import train_parallel
 from course_lib.train import GradProbe, LedgerProbe, TrainConfig, make_optimizer, run, train_reference
 
 pytestmark = pytest.mark.integration

@@ -110,7 +110,8 @@ def _pipeline_worker(ctx, schedule):
     out = {}
     for name in ("plain", "offload"):
         mesh = Mesh(ctx.comm, pp=ctx.world_size)
-        stage, pipe = apply_pipeline(GPT(PIPE, seed=tc.seed), mesh, num_microbatches=M, schedule=schedule)
+        stage = apply_pipeline(GPT(PIPE, seed=tc.seed), mesh, num_microbatches=M, schedule=schedule)
+        pipe = stage.pipeline
         if name == "offload":
             assert apply_activation_offload(stage, mesh) is stage
         batches = mesh.batches(PIPE.seq_len, B, accum_steps=M, seed=tc.data_seed)

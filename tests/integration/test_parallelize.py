@@ -43,6 +43,10 @@ MATRIX = {
         P(dp=8, zero=1),
         P(pp=2, dp=2, tp=2, microbatches=2, offload_activations=True),
         P(pp=2, dp=4, microbatches=2, zero=2, schedule="zb_h1", offload_activations=True),
+        # context × pipeline: each stage's ring attention over the cp peers holding it; (b, T/cp, d) crosses
+        P(pp=2, dp=2, cp=2, microbatches=2),
+        P(pp=2, dp=2, cp=2, microbatches=2, zero=2, schedule="zb_h1"),
+        P(pp=2, cp=4, microbatches=4, schedule="interleaved", chunks=2),
     ]),
     6: (6, [
         P(dp=3, tp=2, zero=1, sequence_parallel=True),

@@ -22,6 +22,7 @@ from course_lib.dist.launch import LaunchError, launch
 from course_lib.dist.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallel import pipeline as P
+from course_lib.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, train_reference
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,16 @@ def _memory_cases(S):
     return [("gpipe", 2 * S + 1, 1), ("1f1b", 2 * S + 1, 1), ("interleaved", 2 * S, CHUNKS[S]), ("zb_h1", 2 * S + 1, 1)]
 
 
+def _train(mesh, tc, *, dtype=None, probes=(), keep_params=False, **plan):
+    """Train the course GPT as the plan's pipeline (pp = the mesh's) through `parallelize`: (Run, stage, executor)."""
+    model = GPT(CFG, seed=tc.seed)
+    model = model.to(dtype) if dtype is not None else model
+    plan = ParallelPlan(pp=mesh.size("pp"), dp=mesh.size("dp"), **plan)
+    with parallelize(model, mesh, plan, train=tc) as job:
+        r = job.train(tc.steps, probes=probes, keep_params=keep_params)
+    return r, job.pipeline.stage, job.pipeline
+
+
 def _everything(ctx):
     S = ctx.world_size
     mesh = Mesh(ctx.comm, pp=S)
@@ -59,16 +70,16 @@ def _everything(ctx):
     for name, M, v, layers in _cases(S):
         ctx.comm.ledger.reset()
         tc = TrainConfig(steps=_steps((name, M, v, layers)), batch_size=M * B)
-        r, stage, pipe = P.train_pipeline(mesh, CFG, tc, schedule=name, num_microbatches=M, chunks=v, layers=layers,
-                                          dtype=torch.float64, probes=[GradProbe()], keep_params=True)
+        r, stage, pipe = _train(mesh, tc, schedule=name, microbatches=M, chunks=v, layers=layers,
+                                dtype=torch.float64, probes=[GradProbe()], keep_params=True)
         out["exact"][(name, M, v, tuple(layers) if layers else None)] = {
             "grads": r["grads"], "losses": r.losses, "params": r.params, "sent": ctx.comm.ledger.bytes_sent(group="pp"),
             "ran": [op for step, op, _, _ in pipe.records if step == tc.steps - 1], "stages": stage.stages}
     for name, M, v in _memory_cases(S):
         ctx.comm.ledger.reset()
         tc = TrainConfig(steps=1, batch_size=M * B)
-        r, _, _ = P.train_pipeline(mesh, CFG, tc, schedule=name, num_microbatches=M, chunks=v,
-                                   probes=[MemoryProbe(timeline=False), LedgerProbe(ctx.comm, groups=("pp",))])
+        r, _, _ = _train(mesh, tc, schedule=name, microbatches=M, chunks=v,
+                         probes=[MemoryProbe(timeline=False), LedgerProbe(ctx.comm, groups=("pp",))])
         out["memory"][name] = {"activations": r["memory"]["report"].max_by_category["activations"],
                                "pp": r["ledger"]["group_bytes"][0]["pp"]}
     return out
@@ -160,10 +171,10 @@ def test_activation_peaks_per_stage_are_what_the_schedule_predicts(S):
 def _dp_pp(ctx, tc, M):
     mesh = Mesh(ctx.comm, dp=2, pp=2)
     out = {}
-    for label, kwargs in (("ddp", {}), ("ddp_overlap", {"data_parallel": "overlap"}), ("zero1", {"zero_stage": 1})):
+    for label, kwargs in (("ddp", {}), ("ddp_overlap", {"dp_kind": "overlap"}), ("zero1", {"zero": 1})):
         ctx.comm.ledger.reset()
-        r, stage, pipe = P.train_pipeline(mesh, CFG, tc, num_microbatches=M, dtype=torch.float64, keep_params=True,
-                                          probes=[LedgerProbe(ctx.comm, groups=("pp", "dp"))], **kwargs)
+        r, stage, pipe = _train(mesh, tc, microbatches=M, dtype=torch.float64, keep_params=True,
+                                probes=[LedgerProbe(ctx.comm, groups=("pp", "dp"))], **kwargs)
         ddp = pipe.data_parallel
         out[label] = {"params": r.params, "losses": r.losses, "per_step": r["ledger"]["group_bytes"],
                       "psi": sum(p.numel() for p in stage.parameters()),

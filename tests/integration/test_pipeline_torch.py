@@ -19,6 +19,7 @@ from course_lib.dist.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallel import pipeline as P
 from course_lib.parallel.pipeline.reference import torch_order, torch_pipeline_run, torch_schedule
+from course_lib.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -46,8 +47,9 @@ def _torch_side(ctx):
     mesh, tc, runs = Mesh(ctx.comm, pp=S), TrainConfig(steps=1, batch_size=S * B), {}
     for name in NAMES:
         theirs = torch_pipeline_run(ctx, CFG, tc, name, S, chunks=_chunks(name, S))
-        ours, _, _ = P.train_pipeline(mesh, CFG, tc, schedule=name, num_microbatches=S, chunks=_chunks(name, S),
-                                      dtype=torch.float64, probes=[GradProbe()])
+        plan = ParallelPlan(pp=S, schedule=name, microbatches=S, chunks=_chunks(name, S))
+        with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train=tc) as job:
+            ours = job.train(tc.steps, probes=[GradProbe()])
         runs[name] = {"torch": theirs["grads0"], "ours": ours["grads"], "torch_loss": theirs["losses"],
                       "our_loss": ours.losses}
     return {"orders": orders, "runs": runs}

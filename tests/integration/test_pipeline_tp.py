@@ -82,7 +82,8 @@ def _build(mesh, tc, schedule, chunks, M, sp, zero, order):
         model = apply_tp(model, mesh, sequence_parallel=sp)
     pipe = None
     if schedule is not None:
-        model, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks)
+        model = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks)
+        pipe = model.pipeline
         if order == "pp_tp" and tp:
             assert apply_tp(model, mesh, sequence_parallel=sp) is model      # in place: the same kind of model
     if zero == 0:

@@ -13,7 +13,8 @@ import torch
 from course_lib.dist.launch import launch
 from course_lib.memopt.recompute import CheckpointError, apply_recompute
 from course_lib.model import GPT, get_config
-from course_lib.parallel.compose import apply_dp, apply_fsdp, apply_zero, train_parallel
+from course_lib.parallel.compose import apply_dp, apply_fsdp, apply_zero
+from course_lib.parallelize import train_parallel
 from course_lib.train import TrainConfig, optimizer_kwargs, train_reference
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """Recomputation inside pipeline stages (course_lib.memopt.recompute × course_lib.parallel.pipeline) on real gloo
 ranks: a stage with dropout runs and holds exactly what its schedule predicts; with each stage's blocks recomputed
-(`train_pipeline(…, recompute=policy)`: `apply_recompute` on the `PipelineStage`), the activation peak of every stage is (m − 1)·held + work — m
+(`parallelize` with `ParallelPlan(pp=S, recompute=policy)`: `apply_recompute` on the `PipelineStage`), the activation peak of every stage is (m − 1)·held + work — m
 micro-batches in flight (1F1B: S − stage), `held` what one keeps from F to B, `work` its working set in B —
 exactly, and the gradients are bitwise those of the same pipeline without recomputation (float32, dropout on) and
 equal the single-process reference (float64, dropout off).
@@ -21,6 +21,7 @@ from course_lib.memopt.recompute import make_plan
 from course_lib.memopt.recompute_plan import ActivationPeakProbe, formula_costs, pipeline_peaks
 from course_lib.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
+from course_lib.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -62,8 +63,12 @@ def _step(ctx, cfg, M, policy, schedule="1f1b", dtype=None, probes=()):
     blocks = P.split_layers(cfg.n_layer, ctx.world_size)[ctx.rank]
     torch.manual_seed(ctx.rank)
     tc = TrainConfig(steps=1, batch_size=M * B)
-    return P.train_pipeline(Mesh(ctx.comm, pp=ctx.world_size), cfg, tc, num_microbatches=M, schedule=schedule,
-                            dtype=dtype, probes=probes, recompute=_plan(policy, blocks[1] - blocks[0]))[0]
+    model = GPT(cfg, seed=tc.seed)
+    plan = ParallelPlan(pp=ctx.world_size, microbatches=M, schedule=schedule,
+                        recompute=_plan(policy, blocks[1] - blocks[0]))
+    with parallelize(model.to(dtype) if dtype is not None else model, Mesh(ctx.comm, pp=ctx.world_size), plan,
+                     train=tc) as job:
+        return job.train(tc.steps, probes=probes)
 
 
 def _ranks(ctx):

@@ -10,8 +10,9 @@ import torch
 
 from course_lib.dist.launch import LaunchError, RankDied, launch
 from course_lib.dist.mesh import Mesh
-from course_lib.model import get_config, param_count
-from course_lib.parallel.pipeline import split_layers, train_pipeline
+from course_lib.model import GPT, get_config, param_count
+from course_lib.parallel.pipeline import split_layers
+from course_lib.parallelize import ParallelPlan, parallelize
 from course_lib.resilience.redundant import GRAD_TAG, REPLICA_TAG, train_redundant
 from course_lib.train import TrainConfig
 
@@ -23,8 +24,9 @@ BLOCK = param_count(CFG.replace(n_layer=2)) - param_count(CFG.replace(n_layer=1)
 
 
 def _plain(ctx):
-    r, _, _ = train_pipeline(Mesh(ctx.comm, pp=ctx.world_size), CFG, TC, num_microbatches=M, keep_params=True)
-    return r.params
+    plan = ParallelPlan(pp=ctx.world_size, microbatches=M)
+    with parallelize(GPT(CFG, seed=TC.seed), Mesh(ctx.comm, pp=ctx.world_size), plan, train=TC) as job:
+        return job.train(TC.steps, keep_params=True).params
 
 
 def _redundant(ctx, schedule="1f1b", kill=None, note=None):

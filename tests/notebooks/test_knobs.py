@@ -154,6 +154,10 @@ def test_a_seed_that_nothing_reads_says_so_on_its_line(path):
     ({"STEPS": (10, 30, None)}, "STEPS = 10: pick an integer ≥ 30"),
     ({"CACHE_FRACTION": (1.5, 0.0, 1.0)}, "CACHE_FRACTION = 1.5: pick 0 to 1"),
     ({"PRESET": ("huge", ["nano", "micro"])}, "PRESET = 'huge': pick one of 'nano', 'micro'"),
+    ({"MATRIX": (36, 24, None, 24)}, "MATRIX = 36: pick a multiple of 24 ≥ 24"),
+    ({"MAX_BYTES": (6, 4, 64, 4)}, "MAX_BYTES = 6: pick a multiple of 4 from 4 to 64"),
+    ({"STEPS": (10, 20, None, "the loss check compares 5 steps with 5")},
+     "STEPS = 10: pick an integer ≥ 20 (the loss check compares 5 steps with 5)"),
 ])
 def test_check_knobs_refuses_a_bad_value_in_one_line_with_the_range(knobs, message):
     import course_lib
@@ -167,3 +171,11 @@ def test_check_knobs_returns_the_values_it_accepts():
     assert course_lib.check_knobs(SEED=3, QUICK=False, WORLD_SIZE=(4, 2, 8), PRESET=("nano", ["nano"]),
                                   VALUE=0.1) == {"SEED": 3, "QUICK": False, "WORLD_SIZE": 4, "PRESET": "nano",
                                                  "VALUE": 0.1}
+
+
+def test_check_knobs_rules_are_checked_after_the_knobs_they_read():
+    import course_lib
+    with pytest.raises(course_lib.KnobError, match=r"^WORLD_SIZE = 0: pick 2 to 4$"):   # not a ZeroDivisionError
+        course_lib.check_knobs((lambda: 24 % 0 == 0, "NUM_SHARDS: a multiple of WORLD_SIZE"), WORLD_SIZE=(0, 2, 4))
+    with pytest.raises(course_lib.KnobError, match=r"^NUM_SHARDS = 25: pick a multiple of 4$"):
+        course_lib.check_knobs((25 % 4 == 0, "NUM_SHARDS = 25: pick a multiple of 4"), WORLD_SIZE=(4, 2, 4))

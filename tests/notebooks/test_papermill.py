@@ -84,6 +84,7 @@ def test_notebook_00_refuses_world_size_0_before_training_with_the_allowed_range
 
 def test_notebook_09_runs_at_several_seeds():
     """Its FP8 comparison with torchao once held for some seeds only (SEED = 3 and 5 failed on an AMD EPYC): besides
-    the default, the matrix runs it at three other seeds, so a seed-dependent margin cannot come back unseen."""
+    the default, the matrix runs the whole notebook at both of those seeds, and tests/unit/test_fp8_compare.py holds
+    the comparison itself at eight seeds (a whole run costs about a minute; the comparison a second)."""
     seeds = {c["SEED"] for c in matrix(ROOT / "notebooks" / "09_precision_quantization.ipynb") if "SEED" in c}
-    assert len(seeds - {_defaults(ROOT / "notebooks" / "09_precision_quantization.ipynb")["SEED"]}) >= 3, seeds
+    assert {3, 5} <= seeds - {_defaults(ROOT / "notebooks" / "09_precision_quantization.ipynb")["SEED"]}, seeds

@@ -99,15 +99,15 @@ def test_the_search_is_never_worse_than_the_baselines_and_beats_greedy_somewhere
 def test_a_plan_that_names_a_tensor_outside_the_trace_is_refused(trace):
     cid = trace.candidates[0].id
     with pytest.raises(ValueError, match="not storages of this trace"):
-        SP.Plan({"9999:0": 1}, {"9999:0": 2}, "typo").validate(trace)
+        SP.SwapPlan({"9999:0": 1}, {"9999:0": 2}, "typo").validate(trace)
     param = next(s for s in trace.storages if s.category == "parameters")
     with pytest.raises(ValueError, match="cannot be swapped"):
-        SP.Plan({param.id: 1}, {param.id: 2}, "params").validate(trace)
+        SP.SwapPlan({param.id: 1}, {param.id: 2}, "params").validate(trace)
     c = trace.candidates[0]
     with pytest.raises(ValueError, match="drop ≤ release < prefetch < need"):
-        SP.Plan({cid: c.drop}, {cid: c.need + 1}, "late").validate(trace)
+        SP.SwapPlan({cid: c.drop}, {cid: c.need + 1}, "late").validate(trace)
     with pytest.raises(ValueError, match="both a release and a prefetch"):
-        SP.Plan({cid: c.drop}, {}, "half").validate(trace)
+        SP.SwapPlan({cid: c.drop}, {}, "half").validate(trace)
 
 
 def test_below_the_plans_peak_the_simulated_accelerator_runs_out(trace):

@@ -27,6 +27,9 @@ CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
     (ParallelPlan(dp=2, zero=3, offload_activations=True), 2, 4, r"FSDP's gathered weights"),
     (ParallelPlan(tp=2, sequence_parallel=True, offload_activations=True), 2, 4, r"own saved-tensor hooks"),
     (ParallelPlan(dp=2, cp=2, tp=2), 8, 4, r"with tp=2 the TP layers"),
+    (ParallelPlan(pp=2, cp=2, microbatches=2, recompute="full"), 4, 4, r"around ring attention inside a stage"),
+    (ParallelPlan(pp=2, layers=(4,), microbatches=2), 2, 4, r"layers"),
+    (ParallelPlan(layers=(2, 2)), 1, 4, r"layers=\(2, 2\) splits the blocks over pipeline stages, but pp=1"),
     (ParallelPlan(dp=2, ep=2), 2, 4, r"the model is dense"),
 ])
 def test_a_plan_that_cannot_work_is_refused_with_the_fix(plan, world, batch, match):
@@ -49,7 +52,8 @@ def test_a_pipeline_needs_untied_embeddings():
     ("recompute", "all", "recompute='all'"), ("precision", "fp64", "precision='fp64'"),
     ("offload_optimizer", "gpu", "'host'"), ("sequence_parallel", 1, "True or False"),
     ("fsdp_replicate", -1, "positive number of elements"), ("microbatches", 1.5, "positive integer"),
-    ("ep", 2, "ep=2 must divide dp=1"), ("cp_layout", "ring", "'zigzag'"),
+    ("ep", 2, "ep=2 must divide dp=1"), ("cp_layout", "ring", "'zigzag'"), ("dp_kind", "ring", "dp_kind='ring'"),
+    ("layers", (2, 0), "tuple of positive block counts"),
 ])
 def test_a_field_out_of_range_is_refused_when_the_plan_is_made(field, value, match):
     with pytest.raises(PlanError, match=match):
@@ -64,9 +68,19 @@ def test_a_field_out_of_range_is_refused_when_the_plan_is_made(field, value, mat
     (ParallelPlan(pp=4, tp=2, microbatches=4, schedule="zb_h1"), 8),
     (ParallelPlan(dp=8, zero=2, offload_optimizer="host", precision="bf16"), 8),
     (ParallelPlan(dp=3, zero=3, fsdp_replicate=64), 3),
+    (ParallelPlan(pp=2, dp=2, cp=2, zero=1, microbatches=2, schedule="zb_h1"), 8),
+    (ParallelPlan(pp=2, dp=2, microbatches=2, dp_kind="overlap", layers=[3, 1]), 4),
 ])
 def test_plans_the_course_builds_pass_the_check(plan, world):
     assert plan.check(CFG, world, batch_size=16 if plan.dp != 3 else 12) is plan
+
+
+def test_a_schedule_can_be_a_generator_and_recompute_a_plan_of_the_blocks():
+    from course_lib.memopt.recompute import make_plan
+    from course_lib.parallel.pipeline import one_f_one_b
+    plan = ParallelPlan(pp=2, microbatches=3, schedule=one_f_one_b, recompute=make_plan("every", 2, k=1))
+    assert plan.check(CFG, 2, batch_size=6) is plan
+    assert ParallelPlan(layers=[3, 1], pp=2).layers == (3, 1)         # a list is kept as a tuple: hashable
 
 
 def test_describe_names_only_what_differs_from_the_defaults():

@@ -9,6 +9,7 @@
                   the one-step delayed parameter update (DPU)
     disk          DiskTier: ZeRO-Infinity's SSD tier for the optimizer state (Rajbhandari et al., SC'21)
     apply         apply_offload: all of it for `train.run`, the optimizer inside ZeRO-1/2 over the dp axis
+    plots         notebook 07's pictures: one offloaded step, swap plans vs budget, what fits
 
 The cross-technique "what fits" model (`Machine`, `fit_options`, `largest_fitting`, `zero_offload_step_time`) lives
 in `course_lib.fits`; it is re-exported here for notebook 07.

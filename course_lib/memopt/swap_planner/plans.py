@@ -14,7 +14,7 @@ from .trace import Trace
 
 
 @dataclass
-class Plan:
+class SwapPlan:
     """For each swapped candidate (by trace id): the op after which its device original is let go (`release`: the
     compute waits there for its d2h if that has not finished) and the op before which its prefetch is issued
     (`prefetch`: the compute waits at its first use if the h2d has not finished). drop ≤ release < prefetch < need."""
@@ -59,7 +59,7 @@ class Outcome:
         return self.peak <= budget
 
 
-def simulate(trace: Trace, plan: Plan, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> Outcome:
+def simulate(trace: Trace, plan: SwapPlan, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> Outcome:
     """Replay the traced ops with `plan` on the modeled link; exact device bytes at every op (see the module).
 
     Op k runs for its measured time ÷ speedup. A swap-out goes on the d2h lane when the op that saved the tensor
@@ -104,10 +104,10 @@ def simulate(trace: Trace, plan: Plan, link: "Link | str" = DEFAULT_LINK, *, spe
     return Outcome(float(t), stall, int(memory.max()), memory, sum(by_id[cid].nbytes for cid in plan.prefetch))
 
 
-def least_memory(trace: Trace) -> Plan:
+def least_memory(trace: Trace) -> SwapPlan:
     """Every candidate swapped, let go as soon as the forward drops it and brought back at the last boundary before
     it is needed: the least memory any plan uses, whatever it costs in stalls."""
-    return Plan({c.id: c.drop for c in trace.candidates}, {c.id: c.need - 1 for c in trace.candidates},
+    return SwapPlan({c.id: c.drop for c in trace.candidates}, {c.id: c.need - 1 for c in trace.candidates},
                 "least memory")
 
 
@@ -131,4 +131,4 @@ def check_budget(trace: Trace, budget: int) -> None:
                          f"device. Give at least {low:,} bytes, or recompute activations / shrink the batch.")
 
 
-__all__ = ["Plan", "Outcome", "simulate", "least_memory", "minimum_budget", "check_budget"]
+__all__ = ["SwapPlan", "Outcome", "simulate", "least_memory", "minimum_budget", "check_budget"]

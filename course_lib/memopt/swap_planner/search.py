@@ -7,7 +7,7 @@ import numpy as np
 
 from ...costmodel import Link, get_link
 from ...fits import DEFAULT_LINK
-from .plans import Plan, check_budget, least_memory, simulate
+from .plans import SwapPlan, check_budget, least_memory, simulate
 from .trace import Storage, Trace
 
 
@@ -36,27 +36,27 @@ def _timed(trace: Trace, c: Storage, lag: float, lead: float, speedup: float) ->
     return w, max(w + 1, min(_before(trace, c.need, lead, speedup, w + 1), c.need - 1))
 
 
-def no_swap() -> Plan:
-    return Plan({}, {}, "no offload")
+def no_swap() -> SwapPlan:
+    return SwapPlan({}, {}, "no offload")
 
 
-def swap_all(trace: Trace, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> Plan:
+def swap_all(trace: Trace, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> SwapPlan:
     """Every candidate swapped, each let go and prefetched just late and early enough to hide its own transfer
     (vDNN's 'offload all')."""
     link = get_link(link)
-    plan = Plan(name="swap everything")
+    plan = SwapPlan(name="swap everything")
     for c in trace.candidates:
         plan.release[c.id], plan.prefetch[c.id] = _timed(trace, c, link.time(c.nbytes), link.time(c.nbytes), speedup)
     return plan
 
 
-def greedy(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> "Plan | None":
+def greedy(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> "SwapPlan | None":
     """While the modeled peak is over the budget, swap the largest candidate resident at the peak op that is idle
     there (tie: the longest idle window), timed to hide its own transfer but off the device at that op. None: this
     baseline cannot reach the budget."""
     check_budget(trace, budget)
     link = get_link(link)
-    plan = Plan(name="greedy")
+    plan = SwapPlan(name="greedy")
     while True:
         o = simulate(trace, plan, link, speedup=speedup)
         if o.peak <= budget:
@@ -71,7 +71,7 @@ def greedy(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spee
 
 
 def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0,
-            population: int = 32, generations: int = 30, seed: int = 0) -> "Plan | None":
+            population: int = 32, generations: int = 30, seed: int = 0) -> "SwapPlan | None":
     """A genetic search over plans (SwapAdvisor's method, here on what to swap and when, not on the op order).
 
     Genome: two genes per candidate c. out ∈ {0 = keep it, 1…6}: let the original go after f·t_c of compute,
@@ -94,8 +94,8 @@ def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spe
     lead = [[min(_before(trace, c.need, f * link.time(c.nbytes), speedup, c.drop + 1), c.need - 1) for f in factors]
             for c in C]
 
-    def plan_of(genome) -> Plan:
-        plan = Plan(name="genetic")
+    def plan_of(genome) -> SwapPlan:
+        plan = SwapPlan(name="genetic")
         for i, c in enumerate(C):
             if genome[i]:
                 w = lag[i][genome[i] - 1]
@@ -111,7 +111,7 @@ def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spe
             cache[key] = (o.peak > budget, max(0, o.peak - budget), o.seconds)
         return cache[key]
 
-    def genome_of(plan: "Plan | None"):
+    def genome_of(plan: "SwapPlan | None"):
         g = np.zeros(2 * len(C), dtype=np.int64)
         g[len(C):] = 1
         if plan is not None:

@@ -1,9 +1,11 @@
 """The pipeline executor: one rank of the `pp` axis runs its list of ops from any schedule, sending activations
 forward and their gradients backward through the traffic ledger, so every byte between stages is counted.
 
-    stage, step_fn = apply_pipeline(GPT(cfg), mesh, schedule="1f1b", num_microbatches=M)
+    stage = apply_pipeline(GPT(cfg), mesh, schedule="1f1b", num_microbatches=M)
     train.run(stage, make_optimizer(stage.parameters(), tc), mesh.batches(T, b, accum_steps=M),
-              steps=…, step_fn=step_fn)                               # THE training loop; the optimizer steps this stage
+              steps=…, step_fn=stage.pipeline)                        # THE training loop; the optimizer steps this stage
+
+(`parallelize(model, mesh, ParallelPlan(pp=S, microbatches=M, …))` is that setup, with whatever else composes.)
 
 Every forward goes through the model `train.run` hands the step function — the outermost wrapper around the stage
 (data parallelism, precision, offload …), called as `model(x, targets, stage=k)` — so whatever wraps the stage runs
@@ -245,54 +247,19 @@ class Pipeline:
         return [(op, t0, t1) for s, op, t0, t1 in self.records if s == step]
 
 
-def apply_pipeline(model, mesh_or_comm, *, num_microbatches: int, schedule="1f1b", chunks: int = 1, layers=None):
+def apply_pipeline(model, mesh_or_comm, *, num_microbatches: int, schedule="1f1b", chunks: int = 1,
+                   layers=None) -> PipelineStage:
     """Cut `model` — the course GPT, or its tensor-parallel form (`tensor.apply_tp`; it can also come after, on the
-    stage) — into pipeline stages over the mesh's pp axis; return (this rank's `PipelineStage`, its `Pipeline`
-    step_fn for `train.run`). Apply data parallelism or ZeRO to the stage afterwards (`apply_dp(stage, mesh)`, or
-    `apply_zero(stage, mesh, 1 | 2)` with `pipeline.data_parallel = optimizer`): they reduce its gradients over dp."""
+    stage) — into pipeline stages over the mesh's pp axis; return this rank's `PipelineStage`, a model like the
+    others every `apply_*` returns, with its executor as `stage.pipeline` (the step_fn for `train.run`). Apply data
+    parallelism or ZeRO to the stage afterwards (`apply_dp(stage, mesh)`, or `apply_zero(stage, mesh, 1 | 2)` with
+    `stage.pipeline.data_parallel = optimizer`): they reduce its gradients over dp. `parallelize` does all of it."""
     check_splittable(model)
     comm = axis_comm(mesh_or_comm, "pp")
     plan = plan_pipeline(model.config, comm.world_size, num_microbatches, schedule, chunks=chunks, layers=layers)
     stage = PipelineStage(model, plan.schedule.stages_of(comm.rank), plan.bounds, plan.schedule.num_virtual_stages)
-    return stage, Pipeline(stage, comm, plan)
-
-
-def train_pipeline(mesh, cfg, tc, *, num_microbatches: int, schedule="1f1b", chunks: int = 1, layers=None,
-                   data_parallel: str = "bucket", zero_stage: int | None = None, probes=(), keep_params: bool = False,
-                   dtype=None, model=None, recompute=None):
-    """Train the course GPT (or `model`) as a pipeline over `mesh`'s pp axis with `train.run`, THE training loop.
-    The global batch of `tc.batch_size` sequences is dp_size × M micro-batches of b sequences. `recompute` (a
-    policy name or Plan, notebook 08) recomputes the activations of this rank's blocks (compose.apply_recompute on
-    the stage). With dp_size > 1 the stage's gradients are reduced over dp by the course's DDP (`data_parallel`
-    kind, compose.apply_dp) or ZeRO (`zero_stage` 1 or 2, compose.apply_zero; ZeRO-3 is refused there). Returns
-    (train.Run, this rank's PipelineStage, its Pipeline); `pipeline.data_parallel` is the DDP wrapper or the ZeRO
-    optimizer (or None): its bucket layout gives the dp bytes."""
-    from ...model import GPT
-    from ...train import closing, make_optimizer, optimizer_kwargs, run
-    from ...memopt.recompute import apply_recompute
-    from ..dp import apply_dp
-    from ..zero import apply_zero
-    dp, M = mesh.size("dp"), num_microbatches
-    if tc.batch_size % (dp * M):
-        raise ValueError(f"global batch {tc.batch_size} does not split into dp={dp} × M={M} micro-batches of equal "
-                         f"size; use a multiple of {dp * M}")
-    model = GPT(cfg, seed=tc.seed) if model is None else model
-    model = model.to(dtype) if dtype is not None else model
-    stage, pipe = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks, layers=layers)
-    if recompute is not None:                   # after the split, before DP: the blocks that run on this rank
-        apply_recompute(stage, mesh, policy=recompute)
-    wrapped, optimizer = stage, None
-    if zero_stage is not None:
-        wrapped, optimizer = apply_zero(stage, mesh, zero_stage, **optimizer_kwargs(tc))
-        # ZeRO-1/2 reduce in the optimizer (the stage is not wrapped); ZeRO-0 is DDP, the wrapper
-        pipe.data_parallel = wrapped if wrapped is not stage else optimizer
-    elif dp > 1:
-        wrapped = pipe.data_parallel = apply_dp(stage, mesh, kind=data_parallel)
-    optimizer = optimizer or make_optimizer(stage.parameters(), tc)
-    batches = mesh.batches(model.config.seq_len, tc.batch_size // (dp * M), accum_steps=M, seed=tc.data_seed)
-    with closing(wrapped):
-        out = run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, step_fn=pipe, keep_params=keep_params)
-    return out, stage, pipe
+    stage.pipeline = Pipeline(stage, comm, plan)
+    return stage
 
 
 def boundary_bytes(plan: PipelineLayout, micro_batch_size: int, seq_len: int, d_model: int, elem_bytes: int, *,
@@ -313,5 +280,5 @@ def boundary_bytes(plan: PipelineLayout, micro_batch_size: int, seq_len: int, d_
     return out
 
 
-__all__ = ["PipelineLayout", "PipelinePlan", "plan_pipeline", "Pipeline", "apply_pipeline", "train_pipeline",
-           "boundary_bytes", "ACTIVATION_TAG", "GRADIENT_TAG"]
+__all__ = ["PipelineLayout", "PipelinePlan", "plan_pipeline", "Pipeline", "apply_pipeline", "boundary_bytes",
+           "ACTIVATION_TAG", "GRADIENT_TAG"]

@@ -31,6 +31,7 @@ def plot_pipeline(timeline, *, ax=None, title: str = "Pipeline schedule", unit: 
     S = num_stages or n
     chunks = max((_parse(op)[1] // S for ops in timeline for op, _, _ in ops), default=0) + 1
     span = (max(e for ops in timeline for _, _, e in ops) - t0) * scale
+    placed = []               # (text, x0, width): each label must fit its box, checked once the axis is final
     for r, ops in enumerate(timeline):
         y = n - 1 - r
         boxes: dict = {}          # (kind, first chunk?) → [(x0, width)]: one collection each, not one per op (faster)
@@ -40,7 +41,8 @@ def plot_pipeline(timeline, *, ax=None, title: str = "Pipeline schedule", unit: 
             boxes.setdefault((kind, stage // S == 0), []).append((x0, w))
             if labels and w > span / (90 if chunks == 1 else 60):    # no text in boxes too small to read
                 text = f"{mb}" if chunks == 1 else f"{mb}.{stage // S}"
-                ax.text(x0 + w / 2, y + 0.5, text, ha="center", va="center", fontsize=7, color="white")
+                placed.append((ax.text(x0 + w / 2, y + 0.5, text, ha="center", va="center", fontsize=7,
+                                       color="white"), x0, w))
         for (kind, first), spans in boxes.items():
             ax.broken_barh(spans, (y + 0.1, 0.8), facecolors=OP_COLORS[kind], edgecolor="white", lw=0.5,
                            alpha=1.0 if first else 0.65)
@@ -53,7 +55,24 @@ def plot_pipeline(timeline, *, ax=None, title: str = "Pipeline schedule", unit: 
     ax.legend(handles=[Patch(color=OP_COLORS[k], label=names[k]) for k in kinds] +
               [Patch(color="white", label="idle: bubble")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_xlim(left=0)
+    _fit_labels(ax, placed)
     return ax
+
+
+def _fit_labels(ax, placed, sizes=(7, 6, 5)):
+    """Shrink each label until it fits its box with a margin; drop the ones that fit at no readable size (the
+    interleaved schedule's chunk-ops are narrow, and their "mb.chunk" labels printed over one another)."""
+    if not placed:
+        return
+    renderer = ax.figure.canvas.get_renderer()
+    for text, x0, w in placed:
+        room = ax.transData.transform((x0 + w, 0))[0] - ax.transData.transform((x0, 0))[0]
+        for size in sizes:
+            text.set_fontsize(size)
+            if text.get_window_extent(renderer).width <= 0.85 * room:
+                break
+        else:
+            text.remove()
 
 
 def plot_activation_memory(curves: dict, *, ax=None, title: str = "Activations held over one step", unit: str = "MiB"):

@@ -9,6 +9,8 @@ axis, and the activations moved between them by collectives written on send/recv
                the bytes per micro-batch and per step; PyTorch's parallelize_module plan for the same model
     grid       2D (SUMMA/Optimus), 2.5D (Tesseract) and 3D matrix multiplication on rank grids, a linear layer on
                each, and their exact bytes and memory per rank
+    workers    what notebook 06's launches run on each rank (imported from there, not re-exported here)
+    plots      notebook 06's pictures: the slice of each weight a rank holds, the blocks of X, W, Y on the grids
 """
 from .gpt import (STYLES, TensorParallelGPT, apply_tp, check_tp, layer_traffic, torch_parallelize_blocks, torch_tp_plan,
                   tp_bytes_per_microbatch, tp_bytes_per_step, tp_plan)

@@ -1,0 +1,21 @@
+"""The capstone's calculator: memory per device, step time, planner and cost for any decoder on any cluster, all
+analytic and *modeled* (docs/formulas.md §15). It composes formulas the course already owns — ZeRO's model states
+(`parallel.zero`), notebook 05's schedule simulator (`parallel.pipeline.schedules`), the α–β link model
+(`costmodel`) — and is checked against published tables (`published`, data/published/).
+
+    config      Decoder, Cluster, Job and the one-line errors of bad input
+    memory      bytes per device by category; checkpoint size
+    step_time   step_time(): compute, exposed communication per axis, bubble; MFU and HFU; the fitted `Efficiency`
+    published   the papers' tables beside the calculator's values; fitting one constant on one named row
+    planner     enumerate, drop what does not fit (with why), rank, explain, place a given job
+    cost        GPU-hours, rent vs own, break-even utilisation, energy
+"""
+from .config import CalculatorError, Cluster, Decoder, Job, check_job
+from .cost import Prices, break_even_utilisation, job_cost
+from .memory import checkpoint_bytes, memory_per_device, param_count
+from .planner import Plan, evaluate, plan
+from .step_time import IDEAL, Efficiency
+
+__all__ = ["CalculatorError", "Cluster", "Decoder", "Job", "check_job", "Prices", "break_even_utilisation",
+           "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan", "evaluate", "plan", "IDEAL",
+           "Efficiency"]

@@ -1,0 +1,88 @@
+"""Rent or own, and energy (formulas §15.8; the SNIA Q&A's first question): for a job whose step time and size come
+from the calculator, GPU-hours, its cost rented per GPU-hour vs owned (purchase spread over a lifetime at some
+utilisation, plus power at the device's watts × PUE × electricity price), the break-even utilisation, energy in
+kWh, and the checkpoint storage it needs. Every price and wattage is a `Prices` field with its source and date
+(defaults from data/published/hardware_and_prices.json); nothing is a hidden constant.
+
+    GPU-hours       G = steps × step seconds × devices / 3600
+    energy          E = G × watts / 1000 × PUE                               kWh
+    rent            G × r                                                   r per GPU-hour
+    own             G × (P / (H·u) + watts/1000 × PUE × c)                   P purchase, H lifetime hours, u utilisation
+    break-even      u* = P / (H · (r − watts/1000 × PUE × c))                owning is cheaper above u*
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import CalculatorError
+
+HOURS_PER_YEAR = 365.25 * 24
+
+
+@dataclass(frozen=True)
+class Prices:
+    rent_per_gpu_hour: float
+    purchase_per_gpu: float
+    lifetime_years: float
+    watts: float
+    pue: float
+    electricity_per_kwh: float
+    sources: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("rent_per_gpu_hour", "purchase_per_gpu", "lifetime_years", "watts", "pue",
+                     "electricity_per_kwh"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise CalculatorError(f"Prices.{name} must be > 0, got {v!r}; give the figure with its source and "
+                                      f"date")
+        if self.pue < 1:
+            raise CalculatorError(f"Prices.pue = total facility power / IT power is ≥ 1, got {self.pue}")
+
+    @property
+    def power_cost_per_hour(self) -> float:
+        return self.watts / 1000 * self.pue * self.electricity_per_kwh
+
+    @classmethod
+    def published(cls, gpu: str = "H100 80GB", lifetime_years: float = 5.0) -> "Prices":
+        """The figures of data/published/hardware_and_prices.json (H100 only has rent and purchase prices there);
+        `lifetime_years` is a choice (5 is a common depreciation period), not a published figure."""
+        from .published import load
+        d = load("hardware_and_prices")
+        if gpu != "H100 80GB":
+            raise CalculatorError(f"published prices exist for 'H100 80GB' only, not {gpu!r}; pass Prices(...)")
+        p, g = d["prices"], d["gpus"][gpu]
+        return cls(p["H100 rent per GPU-hour"]["value"], p["H100 purchase per GPU"]["value"], lifetime_years,
+                   g["watts"], p["PUE"]["value"], p["electricity"]["value"],
+                   {k: f"{v['source']} ({v['date']})" for k, v in p.items()} | {"watts": g["source"],
+                                                                                "lifetime_years": "assumed"})
+
+
+def break_even_utilisation(prices: Prices) -> float:
+    """The utilisation above which owning costs less per used GPU-hour than renting (> 1: renting always wins)."""
+    margin = prices.rent_per_gpu_hour - prices.power_cost_per_hour
+    if margin <= 0:
+        return float("inf")
+    return prices.purchase_per_gpu / (prices.lifetime_years * HOURS_PER_YEAR * margin)
+
+
+def job_cost(step_seconds: float, devices: int, steps: int, prices: Prices, *, utilisation: float = 0.5,
+             checkpoint_bytes: float = 0.0, checkpoints_kept: int = 2) -> dict:
+    """GPU-hours, energy, rented and owned cost of `steps` steps on `devices` devices (module docstring)."""
+    for name, v in (("step_seconds", step_seconds), ("devices", devices), ("steps", steps),
+                    ("utilisation", utilisation)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise CalculatorError(f"job_cost: {name} must be > 0, got {v!r}")
+    if utilisation > 1:
+        raise CalculatorError(f"job_cost: utilisation is a fraction of the lifetime, ≤ 1, got {utilisation}")
+    gpu_hours = steps * step_seconds * devices / 3600
+    kwh = gpu_hours * prices.watts / 1000 * prices.pue
+    hourly_own = prices.purchase_per_gpu / (prices.lifetime_years * HOURS_PER_YEAR * utilisation) \
+        + prices.power_cost_per_hour
+    return {"gpu_hours": gpu_hours, "wall_hours": steps * step_seconds / 3600, "energy_kwh": kwh,
+            "rent": gpu_hours * prices.rent_per_gpu_hour, "own": gpu_hours * hourly_own,
+            "own_energy": kwh * prices.electricity_per_kwh, "break_even_utilisation": break_even_utilisation(prices),
+            "checkpoint_storage_bytes": checkpoint_bytes * checkpoints_kept}
+
+
+__all__ = ["Prices", "break_even_utilisation", "job_cost", "HOURS_PER_YEAR"]

@@ -1,0 +1,193 @@
+"""The planner: every valid way to run a model on a cluster with a global batch, the ones that do not fit dropped
+(with the reason), the rest ranked by modeled step time, and the choice explained in the survey's decision-flow
+terms (formulas §15.7). All of it is *modeled*: `memory.memory_per_device` and `step_time.step_time`.
+
+    p = plan(model, cluster, batch=1536, world=1024)
+    p.best, p.ranked[:5], p.rejected[:5], p.explain()
+    p.place(job)          # where a given (e.g. published) configuration ranks, and its time ÷ the best's
+
+Enumerated: tp a power of two dividing the heads (up to twice a node, so that crossing the node is on the table),
+pp dividing the layers, cp for sequences of 16K tokens or more, ep for MoE, dp the rest; micro-batch 1–8; ZeRO 1
+(and 3 without a pipeline); recomputation none / selective / full; 1F1B or interleaved (2 chunks); SP whenever
+tp > 1; optimizer offload only when nothing fits without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import CalculatorError, Cluster, Decoder, Job, check_job
+from .memory import memory_per_device
+from .step_time import IDEAL, Efficiency, step_time
+
+GB = 1e9
+
+
+@dataclass
+class Option:
+    job: Job
+    seconds: float = float("inf")
+    memory: dict | None = None
+    reason: str = ""                 # why it was rejected ("" if it fits)
+    step: dict | None = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.reason
+
+
+@dataclass
+class Plan:
+    model: Decoder
+    cluster: Cluster
+    batch: int
+    world: int
+    ranked: list = field(default_factory=list)        # Options that fit, fastest first
+    rejected: list = field(default_factory=list)      # Options that do not, fastest (if they had fit) first
+
+    @property
+    def best(self) -> Option:
+        if not self.ranked:
+            raise CalculatorError(f"{self.model.name} fits nowhere on {self.world} × {self.cluster.name} with batch "
+                                  f"{self.batch}: {self.rejected[0].reason if self.rejected else 'no valid mesh'}; "
+                                  f"use more devices, devices with more memory, or a smaller model or sequence")
+        return self.ranked[0]
+
+    def place(self, job: Job) -> dict:
+        """Rank of `job` among the options that fit (1 = the planner's best) and its modeled time ÷ the best's;
+        a job the planner did not enumerate is evaluated and placed by its time."""
+        opt = evaluate(self.model, self.cluster, job, self._eff, self.world)
+        if not opt.fits:
+            return {"rank": None, "of": len(self.ranked), "ratio": None, "reason": opt.reason, "option": opt}
+        rank = 1 + sum(o.seconds < opt.seconds * (1 - 1e-12) for o in self.ranked)
+        return {"rank": rank, "of": len(self.ranked), "ratio": opt.seconds / self.best.seconds, "option": opt}
+
+    def explain(self) -> list[str]:
+        return explain(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload: bool = False,
+               recompute=(None, "selective", "full"), sequence_parallel: bool = True, zeros=(1, 3),
+               schedules=(("1f1b", 1), ("interleaved", 2)), micro_batches=(1, 2, 4, 8), overlap_dp: bool = True):
+    """Every Job the planner considers; the keywords restrict it to a technique set (e.g. a 2021 paper's:
+    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False)."""
+    tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.devices_per_node and m.n_head % t == 0 and t <= world]
+    cps = [1] + ([c for c in (2, 4, 8, 16) if m.seq_len % (2 * c) == 0] if m.seq_len >= 16384 else [])
+    for tp in tps:
+        for cp in cps:
+            for pp in _divisors(m.n_layer):
+                if world % (tp * pp * cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                eps = [e for e in _divisors(dp) if m.n_expert and m.n_expert % e == 0] or [1]
+                for mb in micro_batches:
+                    if batch % (dp * mb):
+                        continue
+                    for zero in (z for z in zeros if z < 3 or pp == 1):
+                        for rc in recompute:
+                            scheds = [sv for sv in schedules if (sv[1] == 1) or pp > 1]
+                            for sched, v in (scheds if pp > 1 else [("1f1b", 1)]):
+                                for ep in eps:
+                                    yield Job(batch=batch, micro_batch=mb, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                                              zero=zero, schedule=sched, chunks=v,
+                                              sequence_parallel=sequence_parallel and tp > 1, recompute=rc,
+                                              offload="optimizer" if offload else None, overlap_dp=overlap_dp)
+
+
+def evaluate(m: Decoder, cluster: Cluster, job: Job, eff: Efficiency = IDEAL, world: int | None = None) -> Option:
+    opt = Option(job)
+    try:
+        check_job(m, cluster, job, world)
+    except CalculatorError as e:
+        opt.reason = str(e)
+        return opt
+    opt.memory = memory_per_device(m, job, cluster)
+    opt.step = step_time(m, job, cluster, eff)
+    opt.seconds = opt.step["total"]
+    if not opt.memory["fits"]:
+        dev = opt.memory["device"]
+        worst = max(dev, key=dev.get)
+        opt.reason = (f"needs {opt.memory['total'] / GB:.1f} GB per device > {cluster.device_memory / GB:.0f} GB "
+                      f"(largest: {worst} {dev[worst] / GB:.1f} GB)")
+    return opt
+
+
+def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff: Efficiency = IDEAL,
+         **restrict) -> Plan:
+    """Enumerate, check, fit and rank (module docstring). `world` defaults to the cluster's device count;
+    `restrict` goes to `candidates` (a technique set)."""
+    world = cluster.num_devices if world is None else world
+    if not isinstance(world, int) or world < 1:
+        raise CalculatorError(f"world must be a positive number of devices, got {world!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise CalculatorError(f"batch must be a positive number of sequences, got {batch!r}")
+    p = Plan(m, cluster, batch, world)
+    p._eff = eff
+    for offload in (False, True):
+        jobs = candidates(m, cluster, batch, world, offload=offload, **restrict)
+        opts = [evaluate(m, cluster, j, eff, world) for j in jobs]
+        p.ranked = sorted((o for o in opts if o.fits), key=lambda o: o.seconds)
+        p.rejected += sorted((o for o in opts if not o.fits), key=lambda o: o.seconds)
+        if p.ranked:
+            break
+    if not p.rejected and not p.ranked:
+        raise CalculatorError(f"no mesh divides world={world} for {m.name}: dp × tp × pp must equal it with tp "
+                              f"dividing {m.n_head} heads, pp dividing {m.n_layer} layers and dp dividing the batch "
+                              f"{batch}; change the world size or the batch")
+    return p
+
+
+# ============================================================================================ the decision flow
+def _best(p: Plan, pred) -> Option | None:
+    return next((o for o in p.ranked if pred(o.job)), None)
+
+
+def explain(p: Plan) -> list[str]:
+    """The choice in the survey's decision-flow terms, each line backed by two options of this plan."""
+    best, dpn, lines = p.best, p.cluster.devices_per_node, []
+    j = best.job
+    lines.append(f"best: {j.describe()} — {best.seconds:.3g} s/step (modeled), MFU {best.step['mfu']:.0%}, "
+                 f"{best.memory['total'] / GB:.1f} of {p.cluster.device_memory / GB:.0f} GB")
+    inside = _best(p, lambda q: q.tp <= dpn)
+    across = _best(p, lambda q: q.tp > dpn)
+    if inside and across:
+        lines.append(f"TP stays inside a node: its 4 all-reduces per layer and micro-batch go over "
+                     f"{p.cluster.intra.name}; the best tp > {dpn} crosses to {p.cluster.inter.name} and takes "
+                     f"{across.seconds / inside.seconds:.2f}× as long")
+    z3 = _best(p, lambda q: q.zero == 3)
+    pipe = _best(p, lambda q: q.pp > 1)
+    if z3 and pipe:
+        win, lose = (z3, pipe) if z3.seconds < pipe.seconds else (pipe, z3)
+        why = ("ZeRO-3's three parameter collectives per micro-batch hide behind enough compute per device"
+               if win is z3 else "ZeRO-3 would gather every parameter over dp each micro-batch, more than the "
+                                 "compute per device can hide; the pipeline pays a bubble and boundary sends instead")
+        lines.append(f"ZeRO-3 vs pipelining: {'ZeRO-3' if win is z3 else 'pipelining'} wins "
+                     f"({win.seconds:.3g} s vs {lose.seconds:.3g} s): {why}")
+    elif pipe and not z3:
+        lines.append("ZeRO-3 vs pipelining: no ZeRO-3 option fits (a whole layer's gathered weights and the "
+                     "unsplit activations per device), so the model is cut into pipeline stages")
+    for rc in ("selective", "full"):
+        if j.recompute == rc and not _best(p, lambda q, r=rc: q.recompute is None):
+            lines.append(f"recomputation is necessary: no option without it fits; {rc} is the cheapest that does")
+    if j.recompute is None:
+        lines.append("no recomputation: the activations fit, so nothing is computed twice")
+    if j.offload:
+        lines.append("offload is necessary: nothing fits with the optimizer state on the device")
+    if j.cp > 1:
+        alone = _best(p, lambda q: q.cp == 1)
+        lines.append(f"CP is {'necessary' if alone is None else 'faster'}: at {p.model.seq_len} tokens one "
+                     f"sequence's activations per layer are too large for one device" if alone is None else
+                     f"CP is faster here ({best.seconds:.3g} s vs {alone.seconds:.3g} s without)")
+    if p.model.n_expert:
+        lines.append(f"EP: ep={j.ep} spreads the {p.model.n_expert} experts; experts are "
+                     f"{'split' if j.ep > 1 else 'replicated'} over the dp ranks")
+    if p.rejected:
+        r = p.rejected[0]
+        lines.append(f"fastest rejected: {r.job.describe()} — {r.reason}")
+    return lines
+
+
+__all__ = ["Option", "Plan", "candidates", "evaluate", "plan", "explain"]

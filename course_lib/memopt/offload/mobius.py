@@ -1,0 +1,400 @@
+"""Mobius (Feng et al., ASPLOS 2023): the model's stages live in host memory and take turns on the accelerator; while
+one stage computes, the next one is prefetched over PCIe, so the device holds only the stage in use and the one
+arriving. Boundary activations go to the host in forward and each stage is recomputed from its boundary in
+backward; each stage's gradients leave as its backward ends (docs/formulas.md §14.1).
+
+    units_of / unit_bytes   the GPT cut into units: embedding | block 0 … block L−1 | head (ln_f + LM head)
+    even_partition          the course's even split of the blocks (`model.stage_bounds`), embedding first, head last
+    MobiusExecutor          one step on the simulated accelerator: real copies, measured compute per stage
+    mobius_bytes            h2d and d2h bytes per step, the formula the executor's transfer log must equal
+    states_peak/state_peaks the model-state bytes on the device at their peak (planning bound; exact per category)
+    mobius_plan             the step's order of operations: load, fwd, bwd, drop (the prefetch order)
+    mobius_timeline         the step on one clock: measured (or stated) compute, modeled PCIe transfers
+    search_partition        Mobius's partition problem (a MIP in the paper) solved exhaustively at toy size
+
+Checked against (P_s: stage s's parameter bytes, S stages, M micro-batches, A_b = e·B·T·d one boundary):
+
+    h2d per step   2·ΣP_s − P_{S−1} + M·(S−1)·A_b      (each stage loaded in forward and again in backward, except
+                                                       the last, which stays; boundaries come back)
+    d2h per step   ΣP_s + M·(S−1)·A_b                  (gradients once; boundaries out)
+    parameters, gradients on the device, each   max_s (P_s + P_{s+1})   (in use + arriving; in use + leaving)
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ...costmodel import Link, get_link
+from ...fits import DEFAULT_LINK
+from ...memory import alloc_category, fmt_bytes, now, placed
+from ...model import (block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes,
+                      stage_bounds)
+from .swaps import _book, transfer_log
+
+
+def units_of(model: nn.Module) -> list:
+    """The GPT as Mobius's layers: [embedding (wte, wpe), block 0, …, block L−1, head (ln_f, lm_head)], each a list of
+    modules. A stage is a contiguous range of units."""
+    return [[model.wte, model.wpe], *[[b] for b in model.blocks], [model.ln_f, model.lm_head]]
+
+
+def _params(unit) -> list:
+    return [p for m in unit for p in m.parameters()]
+
+
+def unit_bytes(model: nn.Module) -> list:
+    """Parameter bytes of each unit (numel × element size, exactly)."""
+    return [sum(p.numel() * p.element_size() for p in _params(u)) for u in units_of(model)]
+
+
+def even_partition(n_layer: int, n_stages: int) -> list:
+    """Unit bounds [start, end) of the course's even split: the blocks cut by `model.stage_bounds`, the embedding in
+    the first stage, the head in the last — what a pipeline of notebook 05 would do."""
+    bounds = [(a + 1, b + 1) for a, b in stage_bounds(n_layer, n_stages)]
+    bounds[0] = (0, bounds[0][1])
+    bounds[-1] = (bounds[-1][0], n_layer + 2)
+    return bounds
+
+
+def _check_bounds(bounds, n_units: int) -> list:
+    bounds = [(int(a), int(b)) for a, b in bounds]
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != n_units or \
+            any(a >= b for a, b in bounds) or any(b != a2 for (_, b), (a2, _) in zip(bounds, bounds[1:])):
+        raise ValueError(f"stage bounds {bounds} must cut units 0…{n_units - 1} into contiguous, non-empty ranges")
+    return bounds
+
+
+def unit_activation_bytes(cfg, batch_size: int, n_micro: int = 1, seq_len: "int | None" = None,
+                          elem_bytes: int = 4) -> list:
+    """Device activation bytes a unit needs while its stage runs backward, for the partition search: what the
+    unit saves for one micro-batch (`model.*_activation_bytes`, recomputed one micro-batch at a time), plus for
+    every unit the M boundaries (inputs in forward, gradients in backward, e·B·T·d each), plus for the head the
+    temporaries of width V the saved-tensor count does not see — logits, their gradient, the log-softmax's
+    gradient and two more in cross-entropy's backward: 5·e·B·T·V, counted once on this implementation. A planning
+    bound, not an exact count: the run's measured peak is checked against the budget, not against this."""
+    c = get_config(cfg)
+    T = seq_len or c.seq_len
+    edge = n_micro * elem_bytes * batch_size * T * c.d_model
+    head = head_activation_bytes(c, batch_size, T, elem_bytes) + 5 * elem_bytes * batch_size * T * c.vocab_size
+    return [embed_activation_bytes(c, batch_size, T, elem_bytes) + edge,
+            *[block_activation_bytes(c, batch_size, T, elem_bytes) + edge] * c.n_layer, head + edge]
+
+
+def stage_sums(values, bounds) -> list:
+    return [sum(values[a:b]) for a, b in bounds]
+
+
+def states_peak(stage_param_bytes) -> int:
+    """Model-state bytes on the device at their peak (the formula in the module docstring)."""
+    P = list(stage_param_bytes) + [0]
+    fwd = [P[s] + P[s + 1] for s in range(len(P) - 1)]
+    bwd = [2 * P[s] + (P[s - 1] if s else 0) + P[s + 1] for s in range(len(P) - 1)]
+    return max(fwd + bwd)
+
+
+def state_peaks(stage_param_bytes) -> dict:
+    """Device bytes of parameters and of gradients at their peaks, each exact: parameters max_s(P_s + P_{s+1})
+    (a stage in use and its neighbour arriving, in either direction), gradients the same (a stage's in backward
+    and its successor's still leaving); one stage: P_0 each."""
+    P = list(stage_param_bytes)
+    pair = max([a + b for a, b in zip(P, P[1:])] or [P[0]])
+    return {"parameters": pair, "gradients": pair}
+
+
+def mobius_bytes(stage_param_bytes, n_micro: int, boundary_bytes: int) -> dict:
+    """h2d and d2h bytes of one Mobius step (docs/formulas.md §14.1)."""
+    P = list(stage_param_bytes)
+    S, total = len(P), sum(P)
+    acts = n_micro * (S - 1) * boundary_bytes
+    return {"h2d": 2 * total - P[-1] + acts, "d2h": total + acts, "boundary": acts}
+
+
+# ---------------------------------------------------------------------------------------------- the modeled clock
+@dataclass
+class MobiusTimeline:
+    """One step on one clock: compute spans (measured or stated) and transfers on the modeled link, each direction
+    one transfer at a time. Rules: stage s + 1's parameters are issued when stage s starts computing (prefetch) or
+    when it ends (no prefetch); a stage starts when the one before it has ended and its parameters have arrived;
+    boundary activations leave as they are made and come back before their stage's backward; gradients leave as a
+    stage's backward ends, and the step ends when the last of them has left."""
+    compute: list = field(default_factory=list)     # (t0, t1, label)
+    transfers: list = field(default_factory=list)   # (lane 'h2d' | 'd2h', t0, t1, bytes, label)
+    total: float = 0.0
+    compute_seconds: float = 0.0
+    link: "Link | None" = None
+
+    @property
+    def exposed(self) -> float:
+        """Seconds of the step the device waited for the link."""
+        return self.total - self.compute_seconds
+
+
+def mobius_plan(n_stages: int, *, prefetch: bool = True) -> list:
+    """The order of one Mobius step as operations: ('load', s) copies stage s in, ('fwd', s) / ('bwd', s) run it
+    (all micro-batches), ('drop', s) frees it. With prefetch the next stage's load comes *before* the current
+    stage computes; the last stage stays from its forward to its backward; a stage is dropped once computed.
+
+        load 0, load 1, fwd 0, drop 0, load 2, fwd 1, drop 1, …, fwd S−1, load S−2, bwd S−1, drop S−1, …, bwd 0, drop 0
+    """
+    S = n_stages
+    order = [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
+    ops = [("load", 0)]
+    for k, (kind, s) in enumerate(order):
+        nxt = order[k + 1] if k + 1 < len(order) else None
+        load = nxt is not None and nxt != ("bwd", S - 1)
+        if prefetch and load:
+            ops.append(("load", nxt[1]))
+        ops.append((kind, s))
+        if kind == "bwd" or s < S - 1:
+            ops.append(("drop", s))
+        if not prefetch and load:
+            ops.append(("load", nxt[1]))
+    return ops
+
+
+def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes: int = 0, n_micro: int = 1,
+                    link: "Link | str" = DEFAULT_LINK, prefetch: bool = True, plan=None) -> MobiusTimeline:
+    """The step of `MobiusExecutor` on a modeled link: `forward_s[s]` and `backward_s[s]` are stage s's compute
+    (all micro-batches; backward includes the recomputation), measured or from stated op costs; `plan` the order
+    of operations (`mobius_plan(S, prefetch=prefetch)` by default). A load the next compute needs is issued when
+    the compute before it ends; any other load pending at a compute is issued when that compute starts (it is
+    prefetched under it); a backward's boundaries are issued when the compute before it starts."""
+    link = get_link(link)
+    P, S = list(stage_param_bytes), len(stage_param_bytes)
+    plan = mobius_plan(S, prefetch=prefetch) if plan is None else plan
+    tl = MobiusTimeline(link=link)
+    free = {"h2d": 0.0, "d2h": 0.0}
+
+    def move(lane, t, n, label):
+        t0 = max(t, free[lane])
+        free[lane] = t1 = t0 + link.time(n)
+        tl.transfers.append((lane, t0, t1, n, label))
+        return t1
+
+    acts = n_micro * boundary_bytes
+    arrived, pending, prev_start, prev_end = {}, [], 0.0, 0.0
+    for kind, s in plan:
+        if kind == "load":
+            pending.append(s)
+            continue
+        if kind == "drop":
+            continue
+        for x in [x for x in pending if x == s]:
+            arrived[x] = move("h2d", prev_end, P[x], f"stage {x}")
+        ready = arrived[s]
+        if kind == "bwd" and s > 0 and acts:
+            ready = max(ready, move("h2d", prev_start, acts, f"boundary {s - 1}"))
+        start = max(prev_end, ready)
+        for x in [x for x in pending if x != s]:
+            arrived[x] = move("h2d", start, P[x], f"stage {x}")
+        pending = []
+        secs = (forward_s if kind == "fwd" else backward_s)[s]
+        tl.compute.append((start, start + secs, f"{kind} {s}"))
+        prev_start, prev_end = start, start + secs
+        if kind == "fwd" and s < S - 1 and acts:
+            move("d2h", prev_end, acts, f"boundary {s}")
+        if kind == "bwd":
+            move("d2h", prev_end, P[s], f"grads {s}")
+    tl.compute_seconds = sum(forward_s) + sum(backward_s)
+    tl.total = max(prev_end, free["d2h"])
+    return tl
+
+
+def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_bytes: float, *,
+                     activation_bytes=None, boundary_bytes: int = 0, n_micro: int = 1,
+                     link: "Link | str" = DEFAULT_LINK, prefetch: bool = True) -> dict:
+    """Every contiguous partition of the units (2^(U−1) of them), each stage count: the fastest modeled step whose
+    device bytes fit — Mobius's mixed-integer program solved by enumeration at toy size. A
+    partition fits when `states_peak` + the largest stage's `activation_bytes` (per unit, summed; 0 if None) ≤
+    `device_bytes`. Returns {'bounds', 'seconds', 'device', 'tried', 'feasible'}; bounds None if nothing fits."""
+    U = len(unit_param_bytes)
+    acts = list(activation_bytes) if activation_bytes is not None else [0] * U
+    best = {"bounds": None, "seconds": float("inf"), "device": None, "tried": 0, "feasible": 0}
+    for cuts in itertools.product((False, True), repeat=U - 1):
+        edges = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [U]
+        bounds = list(zip(edges, edges[1:]))
+        P = stage_sums(unit_param_bytes, bounds)
+        device = states_peak(P) + max(stage_sums(acts, bounds))
+        best["tried"] += 1
+        if device > device_bytes:
+            continue
+        best["feasible"] += 1
+        secs = mobius_timeline(P, stage_sums(unit_forward_s, bounds), stage_sums(unit_backward_s, bounds),
+                               boundary_bytes=boundary_bytes, n_micro=n_micro, link=link, prefetch=prefetch).total
+        if secs < best["seconds"]:
+            best.update(bounds=bounds, seconds=secs, device=device)
+    return best
+
+
+def reference_step(cfg, batches, *, seed: int = 0) -> nn.Module:
+    """The single-process reference of a Mobius step: a fresh GPT(cfg, seed), each micro-batch's loss ÷ M backward
+    in turn (gradients accumulated in that order, as `MobiusExecutor.step` accumulates them)."""
+    from ...model import GPT
+    ref = GPT(cfg, seed=seed)
+    for x, y in batches:
+        _, loss = ref(x, y)
+        (loss / len(batches)).backward()
+    return ref
+
+
+def micro_batches(cfg, n_micro: int, batch_size: int = 1, *, seed: int = 0) -> list:
+    """n_micro random (idx, targets) pairs of batch_size × seq_len tokens from a private generator."""
+    g = torch.Generator().manual_seed(seed)
+    c = get_config(cfg)
+    return [(torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g),
+             torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g)) for _ in range(n_micro)]
+
+
+# ---------------------------------------------------------------------------------------------- the real run
+class MobiusExecutor:
+    """Mobius on the simulated accelerator: `model`'s parameters move to host memory (`placed('host')`); a step
+    brings each stage in turn to the device, the next one copied in (prefetched) before the current one computes,
+    so the device holds the stage in use and the one arriving. Forward runs without a graph; each stage's output
+    (a boundary) goes to the host. Backward walks the stages in reverse, recomputes each from its boundary, runs its
+    backward, and copies its gradients to the host (`host_grads`, accumulated over micro-batches in the reference's
+    order). Every copy is real and booked in `log` (group 'pcie'); compute spans are measured.
+
+    Use inside a `SimulatedAccelerator(budget).track()`: its capacity is the device budget. A budget that cannot hold
+    one stage's parameters and gradients is refused before anything moves."""
+
+    def __init__(self, model: nn.Module, bounds, *, device_bytes: "int | None" = None, log=None):
+        self.model, self.units = model, units_of(model)
+        self.bounds = _check_bounds(bounds, len(self.units))
+        self.stage_bytes = stage_sums(unit_bytes(model), self.bounds)
+        if device_bytes is not None:
+            one = max(2 * p for p in self.stage_bytes)
+            if one > device_bytes:
+                s = max(range(len(self.stage_bytes)), key=lambda i: self.stage_bytes[i])
+                raise ValueError(f"device budget {fmt_bytes(device_bytes)} is smaller than one stage: stage {s} "
+                                 f"(units {self.bounds[s][0]}…{self.bounds[s][1] - 1}) needs {fmt_bytes(one)} for "
+                                 f"its parameters and gradients; cut it into more stages or raise the budget")
+        self.log = transfer_log() if log is None else log
+        self.params = [_params(sum((self.units[u] for u in range(a, b)), [])) for a, b in self.bounds]
+        with placed("host"), alloc_category("parameters"):
+            self.host = [[p.detach().clone() for p in ps] for ps in self.params]
+        self.host_grads = [[None] * len(ps) for ps in self.params]
+        for ps in self.params:
+            for p in ps:
+                p.data = torch.empty(0, dtype=p.dtype)
+        self.forward_s, self.backward_s = [0.0] * len(self.bounds), [0.0] * len(self.bounds)
+
+    n_stages = property(lambda self: len(self.bounds))
+
+    def _load(self, s: int) -> None:
+        t0 = now()
+        with placed("device"), alloc_category("parameters"):
+            for p, h in zip(self.params[s], self.host[s]):
+                p.data = torch.empty_like(h).copy_(h)
+        _book(self.log, "recv", "h2d", f"stage {s}", t0, self.stage_bytes[s])
+
+    def _drop(self, s: int) -> None:
+        for p in self.params[s]:
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def _run(self, s: int, x, idx=None, targets=None, n_micro: int = 1):
+        a, b = self.bounds[s]
+        for u in range(a, b):
+            if u == 0:
+                x = self.model.embed(idx)
+            elif u == len(self.units) - 1:
+                x = self.model.loss(self.model.head(x), targets) / n_micro
+            else:
+                x = self.model.blocks[u - 1](x)
+        return x
+
+    def _to(self, t: torch.Tensor, where: str, tag: str) -> torch.Tensor:
+        t0 = now()
+        with placed(where), alloc_category("activations"):
+            out = torch.empty_like(t).copy_(t)
+        _book(self.log, "send" if where == "host" else "recv", "d2h" if where == "host" else "h2d", tag, t0,
+              t.numel() * t.element_size())
+        return out
+
+    def step(self, batches, plan=None) -> float:
+        """Forward and backward of every (idx, targets) micro-batch, in the order of `plan` (`mobius_plan` by
+        default: see there); the gradients (mean over micro-batches) land in `host_grads`. Returns the mean loss.
+        A plan that computes a stage not on the device, or stages out of order, is refused with the reason."""
+        S, M, last = self.n_stages, len(batches), self.n_stages - 1
+        plan = mobius_plan(S) if plan is None else list(plan)
+        self.host_grads = [[None] * len(ps) for ps in self.params]
+        saved: dict = {}                                 # (stage, micro-batch) -> its input, on the host
+        inputs: dict = {}                                # micro-batch -> the next stage's input, on the device
+        loaded, todo = set(), [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
+        leaving, losses, grads_in = None, [], {}
+        for kind, s in plan:
+            if not (isinstance(s, int) and 0 <= s < S) or kind not in ("load", "drop", "fwd", "bwd"):
+                raise ValueError(f"plan step {(kind, s)!r}: expected ('load' | 'fwd' | 'bwd' | 'drop', stage 0…{last})")
+            if kind == "load":
+                self._load(s)                            # allocated now: before the compute that follows
+                loaded.add(s)
+                continue
+            if kind == "drop":
+                self._drop(s)
+                loaded.discard(s)
+                continue
+            if s not in loaded:
+                raise RuntimeError(f"the plan runs {kind} {s} but stage {s} is not on the device (load it first)")
+            if not todo or todo[0] != (kind, s):
+                raise RuntimeError(f"the plan runs {kind} {s} where {' '.join(map(str, todo[0])) if todo else 'nothing'}"
+                                   f" is due (forwards 0…S−1, then backwards S−1…0)")
+            todo.pop(0)
+            t0 = now()
+            if kind == "fwd":                            # no graph; each output stays for the next stage and a
+                with torch.no_grad():                    # copy goes to the host for the backward
+                    for m, (idx, y) in enumerate(batches):
+                        out = self._run(s, inputs.pop(m, None), idx, y, M)
+                        if s < last:
+                            saved[(s + 1, m)] = self._to(out, "host", f"boundary {s}")
+                            inputs[m] = out
+                        del out
+                self.forward_s[s] = now() - t0
+                _book(self.log, "compute", "forward", f"stage {s}", t0, group="compute")
+                continue
+            for m, (idx, y) in enumerate(batches):     # backward: recompute from the boundary, gradients out
+                x = None if s == 0 else self._to(saved.pop((s, m)), "device", f"boundary {s - 1}").requires_grad_()
+                out = self._run(s, x, idx, y, M)
+                if s == last:
+                    losses.append(out.detach().item() * M)
+                    out.backward()
+                else:
+                    out.backward(grads_in.pop(m))
+                if x is not None:
+                    grads_in[m] = x.grad
+                del x, out
+            self.backward_s[s] = now() - t0
+            _book(self.log, "compute", "backward", f"stage {s}", t0, group="compute")
+            leaving = None                               # stage s + 1's gradients have left while s computed
+            t1 = now()
+            with placed("host"), alloc_category("gradients"):
+                self.host_grads[s] = [p.grad.detach().clone() for p in self.params[s]]
+            _book(self.log, "send", "d2h", f"grads {s}", t1, self.stage_bytes[s])
+            leaving = [p.grad for p in self.params[s]]   # held until the next stage has computed (in flight)
+            for p in self.params[s]:
+                p.grad = None
+        del leaving
+        if todo:
+            raise RuntimeError(f"the plan ended before {' '.join(map(str, todo[0]))}: every stage runs forward, "
+                               f"then backward")
+        for s in list(loaded):
+            self._drop(s)
+        return sum(losses) / M
+
+    def restore(self) -> None:
+        """Put the host copies back into the model (and the host gradients into `.grad`)."""
+        for ps, hs, gs in zip(self.params, self.host, self.host_grads):
+            for p, h, g in zip(ps, hs, gs):
+                p.data, p.grad = h, g
+
+    def timeline(self, link: "Link | str" = DEFAULT_LINK, *, n_micro: int = 1, boundary_bytes: int = 0,
+                 plan=None) -> MobiusTimeline:
+        """The last step's measured compute on the modeled link."""
+        return mobius_timeline(self.stage_bytes, self.forward_s, self.backward_s, boundary_bytes=boundary_bytes,
+                               n_micro=n_micro, link=link, plan=plan)
+
+
+__all__ = ["units_of", "unit_bytes", "unit_activation_bytes", "even_partition", "stage_sums", "states_peak",
+           "state_peaks", "mobius_bytes", "MobiusTimeline", "mobius_plan", "mobius_timeline", "search_partition",
+           "reference_step", "micro_batches", "MobiusExecutor"]

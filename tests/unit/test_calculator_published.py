@@ -1,0 +1,104 @@
+"""The calculator against published tables (data/published/, each value with its paper, table and where it was
+read): ZeRO SC'20 Table 1, Korthikanti MLSys'23 Tables 2, 4 and 5, Narayanan SC'21 Tables 1 and 2, Llama 3 Table 4.
+Memory is exact (or within the paper's printing); step times use at most three constants, each fitted on one
+named row and never on a row it predicts."""
+import pytest
+
+from course_lib.calculator import published as P
+
+
+def test_zero_table1_all_54_cells_within_one_unit_of_the_last_printed_digit():
+    rows = P.zero_table1()
+    assert len(rows) == 54
+    # the paper prints 3–4 significant digits, truncating or rounding: |calculated − printed| < one unit of the last
+    # printed digit (e.g. 2218.75 printed 2218, 21.5625 printed 21.6, 0.1171875 printed 0.12)
+    bad = [r for r in rows if not abs(r["error"]) < r["unit"]]
+    assert not bad, bad
+
+
+def test_korthikanti_table2_six_rows_for_the_four_table3_models_exactly():
+    rows = P.activation_table2()
+    assert len(rows) == 24
+    # integers and power-of-two divisions only (t = 8): the calculator's term-by-term sum equals the published
+    # formula bit for bit
+    assert all(r["calculated"] == r["published"] for r in rows), [r for r in rows if r["calculated"] != r["published"]]
+
+
+def test_korthikanti_table4_recompute_overheads_from_operation_counts_within_six_points():
+    rows = {r["experiment"]: r for r in P.recompute_overheads()}
+    assert rows["baseline with recompute"]["predicted"] == pytest.approx(1 / 3, abs=1e-15)   # one forward of three
+    # FLOP counts miss what the measured times include: memory-bound softmax/dropout reruns (selective), the
+    # backward overlap full recomputation breaks, and SP's faster LayerNorm/dropout forward; stated bound 6 points
+    assert all(abs(r["error"]) < 0.06 for r in rows.values()), rows
+    assert rows["baseline with recompute"]["predicted"] > rows["selective recompute"]["predicted"]
+    assert rows["baseline with recompute"]["published"] > rows["selective recompute"]["published"] \
+        > rows["selective + sequence"]["published"]
+    # the published percentages are the published milliseconds' ratios, to the printed digit
+    assert all(abs(r["from_ms"] - r["published"]) < 0.005 for r in rows.values())
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    eff = P.fitted_efficiency()
+    rows = P.predict(P.throughput_rows(), eff)
+    return eff, rows
+
+
+def test_at_most_three_constants_each_fitted_on_one_stated_row_never_on_a_predicted_one(fitted):
+    eff, rows = fitted
+    assert len(P.FIT_SPEC) <= 3 and len({f for f, _, _ in P.FIT_SPEC}) == len(P.FIT_SPEC)
+    predicted = {(r["source"], r["key"]) for r in rows if not r["fitted"]}
+    assert P.fitted_keys().isdisjoint(predicted)
+    every = {(r["source"], r["key"]) for r in P.throughput_rows() + P.narayanan_table2()}
+    assert P.fitted_keys() <= every
+    fit_rows = P.predict([r for r in P.throughput_rows() + P.narayanan_table2()
+                          if (r["source"], r["key"]) in P.fitted_keys()], eff)
+    assert all(abs(r["error"]) < 1e-6 for r in fit_rows)          # each constant reproduces its own row
+
+
+def test_throughput_tables_average_error_and_the_rows_that_miss(fitted):
+    _, rows = fitted
+    pred = [r for r in rows if not r["fitted"]]
+    assert len(pred) == 10 - 2 + 4 + 3          # Narayanan T1 (two rows fitted), Korthikanti T5, Llama 3
+    avg = sum(abs(r["error"]) for r in pred) / len(pred)
+    assert avg < 0.06                                             # goal 5 %; measured 5.35 % (formulas §15.5)
+    # rows beyond 10 % stay in the table with their reason: the two smallest models of Table 1 (tp ≤ 2, 2048-token
+    # micro-batches of 1.7–3.6 B parameters: the model has no term for per-kernel fixed costs)
+    assert {r["key"] for r in pred if abs(r["error"]) > 0.10} == {"1.7B", "3.6B"}
+    assert all(abs(r["error"]) < 0.18 for r in pred)
+
+
+def test_narayanan_table2_zero3_falls_as_gpus_grow_while_ptdp_stays_flat():
+    eff = P.fitted_efficiency()
+    rows = {r["key"]: r for r in P.predict(P.narayanan_table2(), eff)}
+    gpus = (384, 768, 1536)
+
+    def tflops(key, which):
+        r = rows[key]
+        seconds = r["published_s"] if which == "published" else r["predicted_s"]
+        return P.narayanan_flops(r["model"], r["job"].batch) / (r["job"].world * seconds) / 1e12
+
+    for which in ("published", "predicted"):
+        z = [tflops(f"ZeRO-3 {g}", which) for g in gpus]
+        p = [tflops(f"PTD-P {g}", which) for g in gpus]
+        assert z[0] > z[1] > z[2]                                 # ZeRO-3 falls …
+        assert max(p) / min(p) < 1.10                             # … PTD-P stays within 10 %
+    # the ratio PTD-P / ZeRO-3 at 1536 GPUs (published 141/44 = 3.2): within 10 %; ZeRO-3's own fall from 384 to
+    # 1536 GPUs (published 144/44 = 3.3): within 25 % (the model's max(compute, comm) hides all of the 384-GPU
+    # gather behind compute; the run exposed part of it)
+    ratio = lambda which, a, b: tflops(a, which) / tflops(b, which)
+    assert ratio("predicted", "PTD-P 1536", "ZeRO-3 1536") == pytest.approx(
+        ratio("published", "PTD-P 1536", "ZeRO-3 1536"), rel=0.10)
+    assert ratio("predicted", "ZeRO-3 384", "ZeRO-3 1536") == pytest.approx(
+        ratio("published", "ZeRO-3 384", "ZeRO-3 1536"), rel=0.25)
+
+
+def test_every_published_value_carries_its_source():
+    for name in ("zero_table1", "korthikanti", "narayanan", "llama3", "hardware_and_prices"):
+        d = P.load(name)
+        assert d.get("source") or name == "hardware_and_prices"
+        for key, section in d.items():
+            if isinstance(section, dict) and ("rows" in section or "cells" in section):
+                assert section.get("read_from"), (name, key)
+    for section in P.load("hardware_and_prices").values():
+        assert all("source" in v for v in section.values())

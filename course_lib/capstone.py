@@ -305,11 +305,12 @@ def capstone_jobs(steps: int = 2, world_size: int = 8, seed: int = 0) -> list:
 
 
 def shape_jobs(steps: int = 2, seed: int = 0) -> list:
-    """Context and expert parallelism on 4 ranks (`ParallelPlan.check` refuses cp and an MoE model with tp or pp,
-    so these are cp × dp and ep × dp): float64, equal to one process."""
+    """Context and expert parallelism on 4 ranks (`ParallelPlan.check` refuses cp with tp — and with pp under
+    recomputation or mixed precision — and an MoE model with tp or pp, so these are pp × cp with ZeRO-1 over dp × cp
+    and ep × dp): float64, equal to one process."""
     cfg = get_config("nano", **CONFIG)
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
-    return [Job("CP × DP", ParallelPlan(dp=2, cp=2, zero=1), cfg, tc),
+    return [Job("PP × CP", ParallelPlan(pp=2, cp=2, zero=1, microbatches=2), cfg, tc),
             Job("EP × DP", ParallelPlan(dp=4, ep=2), MOE, tc)]
 
 

@@ -54,6 +54,14 @@ class LayoutComm(Communicator):
     new_group = renamed = _refuse
 
 
+class _LayoutOptimizer:
+    """The inner optimizer of a layout-only ZeRO-1/2: the buckets and shards do not depend on it, so nothing is
+    built (a torch optimizer would import the compiler stack for nothing)."""
+
+    def __init__(self, params, **hyper):
+        self.param_groups = [{"params": list(params)}]
+
+
 def coords_of(plan, rank: int) -> dict:
     """The mesh coordinates of world rank `rank` (pp outermost, tp innermost: `dist.mesh`)."""
     out = {}
@@ -107,8 +115,7 @@ def rank_layout(cfg, plan, tc, rank: int, dtype=torch.float32) -> dict:
     if plan.zero == 3:
         reducer = apply_fsdp(model, group, sync_module_states=False, **_fsdp_options(plan, "fp32"))
     elif plan.zero in (1, 2):                         # ZeRO-1/2 shard even over a group of one
-        reducer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, group, stage=plan.zero, sync=False,
-                                   lr=tc.lr)
+        reducer = ShardedOptimizer(model.parameters(), _LayoutOptimizer, group, stage=plan.zero, sync=False)
     elif N > 1:
         reducer = apply_dp(model, group, kind="bucket", broadcast=False)
     return {"coords": c, "model": model, "pipeline": layout, "recompute_plan": recompute, "reducer": reducer,

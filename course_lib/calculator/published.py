@@ -43,7 +43,8 @@ def link(name: str) -> Link:
 
 def cluster(gpu: str, intra: str, inter: str, num_devices: int = 1 << 30) -> Cluster:
     g = load("hardware_and_prices")["gpus"][gpu]
-    return Cluster(gpu, g["memory_bytes"], g["peak_flops"], 8, link(intra), link(inter), num_devices, g["watts"])
+    return Cluster(gpu, g["memory_bytes"], g["peak_flops"], 8, link(intra), link(inter), num_devices, g["watts"],
+                   g.get("memory_bandwidth"))
 
 
 def selene(n: int = 1 << 30) -> Cluster:

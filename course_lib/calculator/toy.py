@@ -1,6 +1,6 @@
 """The calculator on the course's own toy runs: for a `GPTConfig`, a `ParallelPlan` and a `TrainConfig`, what each
 rank of `parallelize` sends per step on each mesh axis and holds in model states by category — exactly, because
-every number comes from the techniques' own layout and formulas, never from a second copy of them (formulas §15.7).
+every number comes from the techniques' own layout and formulas, never from a second copy of them (formulas §15.9).
 
     expected(cfg, plan, tc)   [{'coords', 'bytes': {axis: bytes per step}, 'memory': {category: bytes}}] per rank
 
@@ -19,11 +19,15 @@ element; P the padded elements of K ZeRO buckets; Ψ_r the elements this rank ho
     zero 2    e·P                 e·P/N                2e·P/N + 4K
     zero 3    e·P/N               e·P/N                2e·Ψ_r + 4n               (FSDP's shards, Ψ_r = local_numel)
 
-Step time on the toy is *modeled* from measured op costs (`modeled_step`): compute from the measured per-op
-seconds of one rank, the bubble from notebook 05's simulator, communication from the α–β link fitted on this
-machine. The stated tolerance is a factor of 2 either way (formulas §15.7: the toy's ops last tens of
-microseconds, where Python dispatch and gloo's scheduler-tick latency are of the order of the op itself);
-`measured_vs_modeled` gives the notebook the comparison — no test asserts on it.
+Step time on the toy is *modeled* from op costs (`modeled_step`), measured here by `measure_op_costs`: one
+block's and the embedding + head's forward + backward seconds for one micro-batch, in one process. A rank's compute
+per micro-batch is its blocks' and ends' share ÷ tp (× 4/3 when full recomputation reruns the forward), times M,
+times notebook 05's pipeline factor (`step_time.pipeline_factor`); each axis's communication is α per message +
+bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped. The stated
+tolerance is a factor of 2 either way (TOLERANCE, formulas §15.9): the toy's ops last tens of microseconds, where
+Python dispatch and gloo's scheduler-tick latency (several ms when ranks outnumber cores) are of the order of the
+op itself, and TP's split of a 32-wide matmul does not divide its time by t. `measured_vs_modeled` gives the
+notebook the comparison; no test asserts on a measured time.
 """
 from __future__ import annotations
 
@@ -161,4 +165,59 @@ def expected(cfg, plan, tc, dtype=torch.float32) -> list[dict]:
     return out
 
 
-__all__ = ["expected", "rank_layout", "model_state_memory", "coords_of", "LayoutComm", "TOLERANCE"]
+# ============================================================================================ step time (modeled)
+def measure_op_costs(cfg, micro_batch_size: int, repeats: int = 5, dtype=torch.float32) -> dict:
+    """Measured here: the best of `repeats` forward + backward seconds of one micro-batch through the single-process
+    GPT with n_layer blocks and with one block; their difference ÷ (n_layer − 1) is one block, the rest the ends
+    (embedding, head and loss)."""
+    import time
+
+    from ..data import ShardedBatches
+    from ..model import GPT
+
+    def best(c):
+        model = GPT(c).to(dtype)
+        x, y = ShardedBatches(c.seq_len, micro_batch_size).global_batch(0)
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(x, y)[1].backward()
+            out.append(time.perf_counter() - t0)
+        return min(out)
+    whole, one = best(cfg), best(cfg.replace(n_layer=1))
+    block = max(whole - one, 0.0) / max(cfg.n_layer - 1, 1)
+    return {"block": block, "ends": max(one - block, 0.0), "measured": "here (single process)"}
+
+
+def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = None) -> list[dict]:
+    """Per rank, the *modeled* step in seconds by part (module docstring): 'compute', 'bubble' and one entry per
+    axis. `messages` ({axis: count per step}, e.g. a ledger's) adds α per message; without it only bytes count."""
+    from ..parallel.pipeline.executor import plan_pipeline
+    from .step_time import pipeline_factor
+    out = []
+    M = plan.microbatches
+    pipe = plan_pipeline(cfg, plan.pp, M, plan.schedule, chunks=plan.chunks) if plan.pp > 1 else None
+    for r in expected(cfg, plan, tc):
+        parts = pipe.parts(r["coords"]["pp"]) if pipe is not None else {"layers": cfg.n_layer, "embed": True,
+                                                                          "head": True}
+        ends = op_costs["ends"] * (parts["embed"] + parts["head"]) / 2
+        per_mb = (parts["layers"] * op_costs["block"] * (4 / 3 if plan.recompute == "full" else 1) + ends) / plan.tp
+        compute = M * per_mb
+        factor = pipeline_factor(plan.schedule, plan.pp, M, plan.chunks) if plan.pp > 1 else 1.0
+        t = {"compute": compute, "bubble": compute * (factor - 1)}
+        for axis, nbytes in r["bytes"].items():
+            t[axis] = nbytes / link.bandwidth + link.alpha * (messages or {}).get(axis, 0)
+        out.append({"coords": r["coords"], "parts": t, "total": sum(t.values())})
+    return out
+
+
+def measured_vs_modeled(measured_s: float, modeled: list[dict]) -> dict:
+    """The measured step (seconds, the slowest rank's) beside the modeled one (the slowest rank's), their ratio and
+    whether it is within TOLERANCE either way. For a notebook to print; never a test's assert."""
+    worst = max(m["total"] for m in modeled)
+    ratio = measured_s / worst
+    return {"measured_s": measured_s, "modeled_s": worst, "ratio": ratio,
+            "within": 1 / TOLERANCE <= ratio <= TOLERANCE}
+
+
+__all__ = ["expected", "measure_op_costs", "modeled_step", "measured_vs_modeled", "rank_layout", "model_state_memory", "coords_of", "LayoutComm", "TOLERANCE"]

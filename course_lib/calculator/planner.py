@@ -9,7 +9,8 @@ terms (formulas §15.7). All of it is *modeled*: `memory.memory_per_device` and 
 Enumerated: tp a power of two dividing the heads (up to twice a node, so that crossing the node is on the table),
 pp dividing the layers, cp for sequences of 16K tokens or more, ep for MoE, dp the rest; micro-batch 1–8; ZeRO 1
 (and 3 without a pipeline); recomputation none / selective / full; 1F1B, or interleaved with v chunks for every
-divisor v ≥ 2 of the layers per stage up to MAX_CHUNKS (Korthikanti's 530B runs 3); SP whenever tp > 1; optimizer offload only when nothing fits without it.
+divisor v ≥ 2 of the layers per stage up to MAX_CHUNKS (Korthikanti's 530B runs 3); SP whenever tp > 1;
+optimizer offload only when nothing fits without it.
 """
 from __future__ import annotations
 

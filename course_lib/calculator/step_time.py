@@ -216,5 +216,6 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
             "tokens_per_s": tokens / total, "flops_per_token": fl, "params": param_count(m)}
 
 
-__all__ = ["Efficiency", "IDEAL", "score_map_bytes", "score_map_seconds", "forward_flops_per_token", "flops_per_token", "narayanan_flops", "pipeline_factor",
+__all__ = ["Efficiency", "IDEAL", "score_map_bytes", "score_map_seconds", "forward_flops_per_token", "flops_per_token",
+           "narayanan_flops", "pipeline_factor",
            "axis_link", "step_time"]

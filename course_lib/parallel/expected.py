@@ -4,7 +4,8 @@ sum `parallelize` checks a composed run against and the capstone's calculator pr
     pp     `pipeline.boundary_bytes` of the rank's stages (activations forward, gradients backward)
     tp     `tensor.tp_bytes_per_step` of the blocks, embedding and head the rank holds (`PipelineLayout.parts`),
            + M × `recompute_plan.rerun_tp_bytes` when recomputation replays tensor-parallel blocks
-    cp     n_layer × M × `context.ring_bytes_per_layer` (ring attention's K/V rotation, forward and backward)
+    cp     the rank's blocks × M × `context.ring_bytes_per_layer` (ring attention's K/V rotation, forward and
+           backward); a pipeline boundary then carries T/cp tokens
     dp     the reducer's own `expected_bytes_sent()` (DDP's buckets, ZeRO-1/2's padded buckets, FSDP's groups:
            once per step, or once per micro-batch where it `reduces_per_microbatch`), under the ledger name of
            the dp × cp group ('dp', or 'dp×cp' when context parallelism shares the reduction)
@@ -28,7 +29,7 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
     M, T, d, b, e = plan.microbatches, cfg.seq_len, cfg.d_model, micro_batch_size, elem
     out = {}
     if plan.pp > 1:
-        out["pp"] = boundary_bytes(pipeline, b, T, d, e, tp_size=plan.tp,
+        out["pp"] = boundary_bytes(pipeline, b, T // plan.cp, d, e, tp_size=plan.tp,     # T/cp: CP's tokens
                                    sequence_parallel=plan.sequence_parallel)[coords["pp"]]
     if plan.tp > 1:
         parts = pipeline.parts(coords["pp"]) if pipeline is not None else {}
@@ -38,7 +39,8 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
             out["tp"] += M * rerun_tp_bytes(recompute_plan, cfg, b, plan.tp, coords["tp"], e,
                                             sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
-        out["cp"] = cfg.n_layer * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
+        layers = pipeline.parts(coords["pp"])["layers"] if pipeline is not None else cfg.n_layer   # blocks here
+        out["cp"] = layers * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
     if reducer is not None and hasattr(reducer, "expected_bytes_sent"):
         per = M if getattr(reducer, "reduces_per_microbatch", False) else 1      # FSDP: every micro-batch
         out[dp_group] = per * reducer.expected_bytes_sent()

@@ -9,6 +9,8 @@ analytic and *modeled* (docs/formulas.md §15). It composes formulas the course 
     published   the papers' tables beside the calculator's values; fitting one constant on one named row
     planner     enumerate, drop what does not fit (with why), rank, explain, place a given job
     cost        GPU-hours, rent vs own, break-even utilisation, energy
+    toy         the course's own runs: bytes per axis and model states per rank of a `parallelize` plan, exactly;
+                the toy's step modeled from measured op costs
 """
 from .config import CalculatorError, Cluster, Decoder, Job, check_job
 from .cost import Prices, break_even_utilisation, job_cost

@@ -97,6 +97,7 @@ class Cluster:
     inter: "Link | str"
     num_devices: int = 1 << 30         # how many there are (the planner stays within it)
     watts: float | None = None
+    memory_bandwidth: float | None = None   # device memory (HBM) bytes/s; None: memory-bound ops not modelled
 
     def __post_init__(self):
         _positive(self, "devices_per_node", "num_devices")
@@ -104,6 +105,10 @@ class Cluster:
         if self.watts is not None and not (isinstance(self.watts, (int, float)) and self.watts > 0):
             raise CalculatorError(f"Cluster {self.name}: watts must be > 0 (the device's stated power), got "
                                   f"{self.watts!r}")
+        if self.memory_bandwidth is not None and not (isinstance(self.memory_bandwidth, (int, float))
+                                                      and self.memory_bandwidth > 0):
+            raise CalculatorError(f"Cluster {self.name}: memory_bandwidth must be > 0 bytes/s, got "
+                                  f"{self.memory_bandwidth!r}")
         object.__setattr__(self, "intra", get_link(self.intra))
         object.__setattr__(self, "inter", get_link(self.inter))
 

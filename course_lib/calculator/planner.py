@@ -8,8 +8,9 @@ terms (formulas §15.7). All of it is *modeled*: `memory.memory_per_device` and 
 
 Enumerated: tp a power of two dividing the heads (up to twice a node, so that crossing the node is on the table),
 pp dividing the layers, cp for sequences of 16K tokens or more, ep for MoE, dp the rest; micro-batch 1–8; ZeRO 1
-(and 3 without a pipeline); recomputation none / selective / full; 1F1B or interleaved (2 chunks); SP whenever
-tp > 1; optimizer offload only when nothing fits without it.
+(and 3 without a pipeline); recomputation none / selective / full; 1F1B, or interleaved with v chunks for every
+divisor v ≥ 2 of the layers per stage up to MAX_CHUNKS (Korthikanti's 530B runs 3); SP whenever tp > 1;
+optimizer offload only when nothing fits without it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .memory import memory_per_device
 from .step_time import IDEAL, Efficiency, step_time
 
 GB = 1e9
+MAX_CHUNKS = 8          # interleaved virtual stages per rank the planner tries (each costs pp·v boundary transfers)
 
 
 @dataclass
@@ -71,9 +73,11 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload: bool = False,
                recompute=(None, "selective", "full"), sequence_parallel: bool = True, zeros=(1, 3),
-               schedules=(("1f1b", 1), ("interleaved", 2)), micro_batches=(1, 2, 4, 8), overlap_dp: bool = True):
+               schedules=("1f1b", "interleaved"), max_chunks: int = MAX_CHUNKS, micro_batches=(1, 2, 4, 8),
+               overlap_dp: bool = True):
     """Every Job the planner considers; the keywords restrict it to a technique set (e.g. a 2021 paper's:
-    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False)."""
+    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False). 'interleaved' is tried with
+    every number of chunks v in 2..max_chunks that divides the layers per stage."""
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.devices_per_node and m.n_head % t == 0 and t <= world]
     cps = [1] + ([c for c in (2, 4, 8, 16) if m.seq_len % (2 * c) == 0] if m.seq_len >= 16384 else [])
     for tp in tps:
@@ -88,7 +92,10 @@ def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload:
                         continue
                     for zero in (z for z in zeros if z < 3 or pp == 1):
                         for rc in recompute:
-                            scheds = [sv for sv in schedules if (sv[1] == 1) or pp > 1]
+                            scheds = [(sc, 1) for sc in schedules if sc != "interleaved"]
+                            if "interleaved" in schedules:
+                                scheds += [("interleaved", v) for v in _divisors(m.n_layer // pp)
+                                           if 2 <= v <= max_chunks]
                             for sched, v in (scheds if pp > 1 else [("1f1b", 1)]):
                                 for ep in eps:
                                     yield Job(batch=batch, micro_batch=mb, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,

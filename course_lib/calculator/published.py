@@ -43,7 +43,8 @@ def link(name: str) -> Link:
 
 def cluster(gpu: str, intra: str, inter: str, num_devices: int = 1 << 30) -> Cluster:
     g = load("hardware_and_prices")["gpus"][gpu]
-    return Cluster(gpu, g["memory_bytes"], g["peak_flops"], 8, link(intra), link(inter), num_devices, g["watts"])
+    return Cluster(gpu, g["memory_bytes"], g["peak_flops"], 8, link(intra), link(inter), num_devices, g["watts"],
+                   g.get("memory_bandwidth"))
 
 
 def selene(n: int = 1 << 30) -> Cluster:
@@ -148,16 +149,21 @@ def narayanan_table2() -> list[dict]:
     return out
 
 
-def korthikanti_table5() -> list[dict]:
+def korthikanti_table5(kind: str = "present") -> list[dict]:
+    """Table 5's rows: `kind='present'` (sequence parallelism + selective recomputation, the paper's method) or
+    'full' (the same runs with full activation recomputation and no SP, the paper's baseline column)."""
+    if kind not in ("present", "full"):
+        raise ValueError(f"kind is 'present' or 'full', got {kind!r}")
     t5 = load("korthikanti")["table5"]["rows"]
     out = []
     for name, (m, r) in korthikanti_models().items():
         v = r["interleave"]
         job = Job(batch=r["batch"], micro_batch=r["micro_batch"], dp=r["gpus"] // (r["tp"] * r["pp"]), tp=r["tp"],
                   pp=r["pp"], zero=0, schedule="interleaved" if v > 1 else "1f1b", chunks=v,
-                  sequence_parallel=True, recompute="selective", overlap_dp=False)
-        out.append(_row("Korthikanti MLSys'23 Table 5", name, m, job, selene(r["gpus"]), t5[name]["present"],
-                        "dp = 1 in all four rows"))
+                  sequence_parallel=kind == "present", recompute="selective" if kind == "present" else "full",
+                  overlap_dp=False)
+        out.append(_row("Korthikanti MLSys'23 Table 5" + (" (full recompute)" if kind == "full" else ""), name, m,
+                        job, selene(r["gpus"]), t5[name][kind], "dp = 1 in all four rows"))
     return out
 
 

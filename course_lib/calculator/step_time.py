@@ -11,7 +11,9 @@ FLOPs per token (forward; Narayanan et al. SC'21 eq. 2–3 generalised to GQA, g
 
 Step = t_compute × pipeline factor + exposed communication, where
 
-    t_compute         hardware FLOPs per device ÷ (peak × e(d/tp)),  e(x) = e_compute · x/(x + x½)
+    t_compute         hardware FLOPs per device ÷ (peak × e(d/tp)),  e(x) = e_compute · x/(x + x½),
+                      + the score maps' memory traffic ÷ the device's memory bandwidth (no flash attention:
+                      softmax and dropout over a·s² elements per layer, `score_map_bytes`)
     pipeline factor   makespan ÷ (M·(F + B)) from notebook 05's simulator (F = 1, B = 2); 1 with pp = 1
     tp                4 all-reduces of b·s·d per layer and micro-batch (SP: 4 all-gathers + 4 reduce-scatters,
                       the same bytes; + 2 all-reduces when full recomputation reruns the forward, + 1 all-gather
@@ -83,6 +85,32 @@ def narayanan_flops(m: Decoder, batch: int) -> float:
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
+# ============================================================================================ memory-bound ops
+def score_map_bytes(m: Decoder, job: Job) -> float:
+    """Device-memory bytes the s×s score maps move per device per step without flash attention (Korthikanti
+    §4.1's tensors, 2-byte scores and probabilities, 1-byte dropout mask, per head and sequence):
+
+        forward    softmax reads QKᵀ, writes P (2 + 2); dropout reads P, writes its mask and output (2 + 1 + 2)
+                   = 9·a·s²  (4·a·s² without dropout)
+        backward   dropout's reads the gradient and the mask, writes (2 + 1 + 2); softmax's reads the gradient
+                   and P, writes (2 + 2 + 2) = 11·a·s²  (6·a·s² without dropout)
+        recompute  full or selective recomputation runs the forward's again: + 9·a·s² (+ 4)
+
+    Heads split over tp, queries over cp (each rank's s/cp queries against all s keys); layers over pp."""
+    if job.flash_attention:
+        return 0.0
+    fwd, bwd = (9, 11) if m.dropout else (4, 6)
+    per = fwd + bwd + (fwd if job.recompute in ("full", "selective") else 0)
+    sequences = job.batch / job.dp
+    return per * m.n_head / job.tp * (m.seq_len / job.cp) * m.seq_len * sequences * m.n_layer / job.pp
+
+
+def score_map_seconds(m: Decoder, job: Job, cluster: Cluster) -> float:
+    """`score_map_bytes` at the device's memory bandwidth (0 where the cluster states none): elementwise kernels
+    that do no matmul work, so no share of peak FLOP/s describes them."""
+    return score_map_bytes(m, job) / cluster.memory_bandwidth if cluster.memory_bandwidth else 0.0
+
+
 # ============================================================================================ the pipeline
 SIMULATE_UP_TO = 256
 @lru_cache(maxsize=4096)
@@ -123,6 +151,7 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
     tokens = job.batch * m.seq_len
     fl = flops_per_token(m, job.recompute)
     compute = fl["hardware"] * tokens / job.world / (cluster.peak_flops * eff.matmul(m.d_model / job.tp))
+    compute += score_map_seconds(m, job, cluster)
     layers = m.n_layer // job.pp
     factor = pipeline_factor(job.schedule, job.pp, M, job.chunks) if job.pp > 1 else 1.0
     parts = {"compute": compute, "bubble": compute * (factor - 1)}
@@ -187,5 +216,6 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
             "tokens_per_s": tokens / total, "flops_per_token": fl, "params": param_count(m)}
 
 
-__all__ = ["Efficiency", "IDEAL", "forward_flops_per_token", "flops_per_token", "narayanan_flops", "pipeline_factor",
+__all__ = ["Efficiency", "IDEAL", "score_map_bytes", "score_map_seconds", "forward_flops_per_token", "flops_per_token",
+           "narayanan_flops", "pipeline_factor",
            "axis_link", "step_time"]

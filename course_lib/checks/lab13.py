@@ -24,7 +24,9 @@ GB = 1e9
 MODEL = Decoder("GPT 13B", 40, 5120, 40, 50304, 4096)       # the exercise's model: 40 × 5120, 4K tokens
 WORLD = 4
 BATCH = 8
-TECHNIQUES = dict(zeros=(1,))          # what `parallelize` composes with recomputation: ZeRO-1/2 (not FSDP)
+# what `parallelize` composes with recomputation: ZeRO-1/2 (not FSDP); at most 2 interleaved chunks, as many as the
+# toy's 4 layers on 2 stages split into (the chosen job is run on the toy)
+TECHNIQUES = dict(zeros=(1,), max_chunks=2)
 BASELINE = Job(batch=BATCH, dp=WORLD, zero=3, recompute="full")
 TOY = dict(n_layer=4, n_head=4, d_model=32, seq_len=16)
 STEPS = 2

@@ -37,14 +37,27 @@ def test_a_world_no_mesh_divides_is_refused():
 
 def test_published_korthikanti_configurations_rank_near_the_planners_best():
     eff = P.fitted_efficiency()
+    places = {}
     for r in P.korthikanti_table5():
         p = plan(r["model"], r["cluster"], r["job"].batch, r["job"].world, eff)
-        pl = p.place(r["job"])
-        # the published runs are within 5 % of the planner's best, and in its top 15 (the 530B run, with 3
-        # interleaved chunks the planner does not try, beats every option it enumerates)
-        assert pl["rank"] is not None and pl["rank"] <= 15 and pl["ratio"] < 1.31, (r["key"], pl)
-    assert plan(*[P.korthikanti_table5()[2][k] for k in ("model", "cluster")], 280, 280, eff).place(
-        P.korthikanti_table5()[2]["job"])["ratio"] < 1
+        places[r["key"]] = pl = p.place(r["job"])
+        # every published run within 31 % of the planner's best (22B: 1.30, its 4-sequence micro-batch on one
+        # node; the planner prefers ZeRO-3 over 4 × tp2 there)
+        assert pl["rank"] is not None and pl["ratio"] < 1.31, (r["key"], pl)
+    # the interleaved runs with 3 chunks (175B, 530B) are among the options (chunks: the divisors of the layers
+    # per stage), and 530B — 105 layers on 35 stages, 3 chunks — is the planner's own best
+    assert places["530B"]["rank"] == 1 and places["530B"]["ratio"] == 1
+    assert places["175B"]["ratio"] < 1.10 and places["1T"]["ratio"] < 1.10
+
+
+def test_the_planner_tries_every_divisor_of_the_layers_per_stage_as_interleaved_chunks():
+    from course_lib.calculator.planner import MAX_CHUNKS, candidates
+    m = MODEL.replace(n_layer=24)
+    chunks = {(j.pp, j.chunks) for j in candidates(m, NODE, 64, 16) if j.schedule == "interleaved"}
+    for pp in (2, 4, 8):
+        assert {v for p_, v in chunks if p_ == pp} == {v for v in range(2, MAX_CHUNKS + 1) if (24 // pp) % v == 0}
+    assert {v for _, v in {(j.pp, j.chunks) for j in candidates(m, NODE, 64, 16, max_chunks=2)
+                                               if j.schedule == "interleaved"}} == {2}
 
 
 def test_a_job_the_planner_rejects_is_placed_with_its_reason():

@@ -5,6 +5,7 @@ named row and never on a row it predicts."""
 import pytest
 
 from course_lib.calculator import published as P
+from course_lib.calculator import step_time as S
 
 
 def test_zero_table1_all_54_cells_within_one_unit_of_the_last_printed_digit():
@@ -61,11 +62,48 @@ def test_throughput_tables_average_error_and_the_rows_that_miss(fitted):
     pred = [r for r in rows if not r["fitted"]]
     assert len(pred) == 10 - 2 + 4 + 3          # Narayanan T1 (two rows fitted), Korthikanti T5, Llama 3
     avg = sum(abs(r["error"]) for r in pred) / len(pred)
-    assert avg < 0.06                                             # goal 5 %; measured 5.35 % (formulas §15.5)
-    # rows beyond 10 % stay in the table with their reason: the two smallest models of Table 1 (tp ≤ 2, 2048-token
-    # micro-batches of 1.7–3.6 B parameters: the model has no term for per-kernel fixed costs)
-    assert {r["key"] for r in pred if abs(r["error"]) > 0.10} == {"1.7B", "3.6B"}
-    assert all(abs(r["error"]) < 0.18 for r in pred)
+    assert avg <= 0.05                                            # goal 5 %; measured 3.9 % (formulas §15.5)
+    # every row within the goal's 10 % (measured: −5.8 … +8.4 %). Without the score maps' memory traffic the two
+    # smallest models of Table 1 missed (1.7B −17.5 %, 3.6B −10.5 %): their s×s softmax and dropout move
+    # a·s² bytes per head against s·h² matmul work, 20 % of their step on A100's 2 TB/s
+    assert all(abs(r["error"]) <= 0.10 for r in pred), [(r["key"], r["error"]) for r in pred]
+
+
+def test_the_score_maps_memory_traffic_is_what_the_small_models_missed(fitted):
+    """The memory-bound term has a physical size, not a fitted one (bytes counted, the device's stated bandwidth):
+    a fifth of the 1.7B step, under 2 % of the 529.6B one, nothing with flash attention; with the same constants
+    and no memory bandwidth stated, the 1.7B step comes out more than 15 % faster."""
+    from dataclasses import replace as dc_replace
+    eff, rows = fitted
+    by_key = {r["key"]: r for r in rows if r["source"] == "Narayanan SC'21 Table 1"}
+    small = by_key["1.7B"]
+    share = S.score_map_seconds(small["model"], small["job"], small["cluster"]) / small["predicted_s"]
+    assert 0.10 < share < 0.30                                    # measured ≈ 0.19 of the 1.7B step
+    big = by_key["529.6B"]
+    assert S.score_map_seconds(big["model"], big["job"], big["cluster"]) / big["predicted_s"] < 0.02
+    flash = dc_replace(small["job"], flash_attention=True)
+    assert S.score_map_bytes(small["model"], flash) == 0
+    blind = dict(small, cluster=dc_replace(small["cluster"], memory_bandwidth=None))
+    assert S.step_time(blind["model"], blind["job"], blind["cluster"], eff)["total"] < small["predicted_s"] * 0.85
+
+
+def test_korthikanti_table5_full_recompute_rows_and_their_ratio_to_the_present_work(fitted):
+    """The baseline column of Table 5 (full recomputation, no SP), predicted with the same three constants: each row
+    within 10 %, and the ratio full ÷ present — where the fitted constants cancel — within 2 % of the published
+    one. 2 % is what Table 4 leaves unexplained per layer: published (1 + 39 %)/(1 + 4 %) = 1.337 against the
+    operation counts' (1 + 33.3 %)/(1 + 1.8 %) = 1.310 (`recompute_overheads`), 2.0 % apart."""
+    eff, _ = fitted
+    present = {r["key"]: r for r in P.predict(P.korthikanti_table5(), eff)}
+    full = {r["key"]: r for r in P.predict(P.korthikanti_table5("full"), eff)}
+    assert set(full) == set(present) == {"22B", "175B", "530B", "1T"}
+    for key, r in full.items():
+        assert r["job"].recompute == "full" and not r["job"].sequence_parallel
+        assert abs(r["error"]) < 0.10, (key, r["error"])                  # measured: −7.8 … +8.2 %
+        published = r["published_s"] / present[key]["published_s"]        # 1.29 … 1.32
+        predicted = r["predicted_s"] / present[key]["predicted_s"]
+        assert predicted == pytest.approx(published, rel=0.02), (key, published, predicted)   # measured ≤ 1.6 %
+    with pytest.raises(ValueError, match="'present' or 'full'"):
+        P.korthikanti_table5("none")
 
 
 def test_narayanan_table2_zero3_falls_as_gpus_grow_while_ptdp_stays_flat():

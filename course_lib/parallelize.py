@@ -251,33 +251,14 @@ def _fsdp_options(plan: ParallelPlan, recipe) -> dict:
 
 
 def _expected_bytes(job: Parallelized, model, cfg, pipe, reducer, b: int) -> dict:
-    """Bytes this rank sends per step on each mesh axis, summed from each technique's own formula (the ledger's
-    group names: 'dp' becomes 'dp×cp' when context parallelism shares the reduction)."""
-    from .parallel.context import ring_bytes_per_layer
-    from .parallel.pipeline import boundary_bytes
-    from .parallel.tensor import tp_bytes_per_step
-    plan, mesh = job.plan, job.mesh
-    M, T, d = plan.microbatches, cfg.seq_len, cfg.d_model
-    e = next(model.parameters()).element_size()
-    out = {}
-    if plan.pp > 1:
-        out["pp"] = boundary_bytes(pipe.plan, b, T // plan.cp, d, e, tp_size=plan.tp,     # T/cp: CP's tokens
-                                   sequence_parallel=plan.sequence_parallel)[mesh.pp_rank]
-    if plan.tp > 1:
-        parts = pipe.plan.parts(mesh.pp_rank) if pipe is not None else {}
-        out["tp"] = tp_bytes_per_step(cfg, b, plan.tp, mesh.tp_rank, e, num_microbatches=M,
-                                      sequence_parallel=plan.sequence_parallel, **parts)
-        if plan.recompute is not None:          # the replay re-issues the forward collectives it reruns
-            from .memopt.recompute_plan import rerun_tp_bytes
-            out["tp"] += M * rerun_tp_bytes(model.recompute_plan, cfg, b, plan.tp, mesh.tp_rank, e,
-                                            sequence_parallel=plan.sequence_parallel)
-    if plan.cp > 1:
-        layers = pipe.plan.parts(mesh.pp_rank)["layers"] if pipe is not None else cfg.n_layer   # the blocks here
-        out["cp"] = layers * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
-    if reducer is not None and hasattr(reducer, "expected_bytes_sent"):
-        per = M if getattr(reducer, "reduces_per_microbatch", False) else 1      # FSDP: every micro-batch
-        out[mesh.group("dp", "cp").name] = per * reducer.expected_bytes_sent()
-    return out
+    """Bytes this rank sends per step on each mesh axis: the one sum of each technique's own formula
+    (`parallel.expected.bytes_per_step`), under the ledger's group names."""
+    from .parallel.expected import bytes_per_step
+    return bytes_per_step(cfg, job.plan, job.mesh.coords, micro_batch_size=b,
+                          elem=next(model.parameters()).element_size(),
+                          pipeline=pipe.plan if pipe is not None else None,
+                          recompute_plan=getattr(model, "recompute_plan", None), reducer=reducer,
+                          dp_group=job.mesh.group("dp", "cp").name)
 
 
 __all__ = ["parallelize", "train_parallel", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]

@@ -24,6 +24,8 @@ show it (`show_source`) and measure it.
     checks/      lab checks: one pass line with the measured figure, or one failure with a hint
     calculator/  the capstone's analytic calculator: memory, step time, planner, cost; checked against published
                  tables (data/published/)
+    capstone     notebook 13's worker: every axis at once through parallelize, equal to one process, the survey's
+                 table measured (capstone_survey), the per-rank timeline (capstone_plots); runs under torchrun
 
 Layers, bottom to top — a module imports only its own layer and those below (tests/test_layering.py reads every
 import, function-local ones too):
@@ -33,7 +35,7 @@ import, function-local ones too):
     train        train
     techniques   parallel/, memopt/, optim/, transports/, fits
     systems      resilience/, io/
-    composer     parallel_plan, parallelize, checks/, calculator/
+    composer     parallel_plan, parallelize, checks/, calculator/, capstone*
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """

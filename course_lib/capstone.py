@@ -11,8 +11,8 @@ The same worker runs unchanged under torchrun (each process computes the referen
 
     torchrun --standalone --nproc-per-node 8 -m course_lib.run course_lib.capstone:torchrun_worker 2
 
-Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12) —
-with one correction, `loss_bytes_fix`, for mixed precision under tensor parallelism (below); expert parallelism's
+Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12;
+under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's
 all-to-all bytes from the routed rows (`ep_expected_bytes`, §12); model states are ZeRO's Ψ·(e_p + e_g + K)
 divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
 plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
@@ -98,25 +98,6 @@ def _single_worker(ctx, job: Job):
 
 
 # ------------------------------------------------------------------------------------------------- formulas
-def loss_bytes_fix(job_p, model) -> int:
-    """Bytes `parallelize`'s expected_bytes leaves out under mixed precision with tp > 1: the vocab-parallel
-    cross-entropy's three all-reduces run on fp32 logits (the precision recipe upcasts the head's output so that the
-    loss reduces in fp32), while the formula is given the compute dtype's element size. Exact: the formula's own
-    'loss' term at 4 bytes minus it at e, on the ranks that hold the head, for each of the M micro-batches."""
-    plan, mesh, cfg = job_p.plan, job_p.mesh, model.config
-    if plan.tp == 1 or plan.precision is None:
-        return 0
-    from .parallel.tensor import tp_bytes_per_microbatch
-    pipe = next((obj for name, obj in job_p.applied if name == "pipeline split"), None)
-    head = pipe.plan.parts(mesh.pp_rank)["head"] if pipe is not None else True
-    if not head:
-        return 0
-    from .memopt.precision.recipes import get_recipe
-    b, e = job_p.batches.micro_batch_size, get_recipe(plan.precision).compute_bytes
-    term = [tp_bytes_per_microbatch(cfg, b, plan.tp, mesh.tp_rank, elem)["loss"] for elem in (4, e)]
-    return plan.microbatches * (term[0] - term[1])
-
-
 def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
     """Bytes per step this rank sends on ep, dp and edp under expert parallelism (`apply_ep` +
     `ExpertDataParallel`), one dict per step. ep: for every MoE layer forward the dispatch, the combine and the
@@ -230,8 +211,6 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
             with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
                 run = p.train(job.tc.steps, keep_params=True, probes=probes)
             want = {g: n for g, n in p.expected_bytes.items() if n}
-            if "tp" in want:
-                want["tp"] += loss_bytes_fix(p, model)
             wants = [want] * job.tc.steps
             if plan.ep > 1:                     # parallelize has no formula for the expert all-to-alls: here
                 wants = ep_expected_bytes(model, mesh, plan.microbatches, e)
@@ -328,6 +307,6 @@ def torchrun_worker(ctx, steps: str = "2") -> dict:
             "loss_err": abs(loss - losses[-1]) if loss == loss else None}
 
 
-__all__ = ["Job", "run_job", "capstone_worker", "reference_run", "state_formula", "loss_bytes_fix",
+__all__ = ["Job", "run_job", "capstone_worker", "reference_run", "state_formula",
            "ep_expected_bytes", "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "torchrun_worker",
            "GROUPS", "STATES"]

@@ -258,7 +258,8 @@ def _expected_bytes(job: Parallelized, model, cfg, pipe, reducer, b: int) -> dic
                           elem=next(model.parameters()).element_size(),
                           pipeline=pipe.plan if pipe is not None else None,
                           recompute_plan=getattr(model, "recompute_plan", None), reducer=reducer,
-                          dp_group=job.mesh.group("dp", "cp").name)
+                          dp_group=job.mesh.group("dp", "cp").name,
+                          loss_elem=4 if job.plan.precision is not None else None)   # fp32 logits (precision hook)
 
 
 __all__ = ["parallelize", "train_parallel", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 
 def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int, pipeline=None,
-                   recompute_plan=None, reducer=None, dp_group: str = "dp") -> dict:
+                   recompute_plan=None, reducer=None, dp_group: str = "dp", loss_elem: int | None = None) -> dict:
     """{axis: bytes} this rank sends per step. `plan` reads like `ParallelPlan` (pp, tp, cp, microbatches,
     sequence_parallel, recompute); `coords` are the rank's mesh coordinates ({'pp': …, 'tp': …}); `pipeline` the
     `PipelineLayout` (pp > 1), `recompute_plan` the `RecomputePlan` of this rank's blocks (recompute set),
-    `reducer` whatever reduces the gradients over dp × cp (or None)."""
+    `reducer` whatever reduces the gradients over dp × cp (or None); `loss_elem` the element size of the logits the
+    vocab-parallel loss reduces (None: `elem`; 4 under mixed precision, which upcasts the logits)."""
     from ..memopt.recompute_plan import rerun_tp_bytes
     from .context import ring_bytes_per_layer
     from .pipeline.executor import boundary_bytes
@@ -34,7 +35,7 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
     if plan.tp > 1:
         parts = pipeline.parts(coords["pp"]) if pipeline is not None else {}
         out["tp"] = tp_bytes_per_step(cfg, b, plan.tp, coords["tp"], e, num_microbatches=M,
-                                      sequence_parallel=plan.sequence_parallel, **parts)
+                                      sequence_parallel=plan.sequence_parallel, loss_elem=loss_elem, **parts)
         if plan.recompute is not None:          # the replay re-issues the forward collectives it reruns
             out["tp"] += M * rerun_tp_bytes(recompute_plan, cfg, b, plan.tp, coords["tp"], e,
                                             sequence_parallel=plan.sequence_parallel)

@@ -244,7 +244,7 @@ def layer_traffic(ledger, layer: int, group: str | None = None) -> dict:
 def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *,
                             sequence_parallel: bool = False, regather: bool = True, plan: str = "megatron",
                             seq_len: int | None = None, layers: int | None = None, embed: bool = True,
-                            head: bool = True) -> dict:
+                            head: bool = True, loss_elem: int | None = None) -> dict:
     """Bytes tp rank `rank` sends in one forward + backward of `apply_tp`'s model, by part (exact, ring collectives).
     A pipeline stage sends only its part: `layers` blocks (default: all n_layer), the embedding's collectives if
     it holds the embedding, the head's and the loss's if it holds the head (`PipelineLayout.parts(pp_rank)`).
@@ -252,7 +252,9 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
         layers      `layers` × 4 all-reduces of b·s·h (`layer_bytes`); SP: 4 all-gathers + 4 reduce-scatters
         naive       plan='naive': q, k, v (and fc_in) each all-reduce their input gradient: 2 more per layer
         embed+head  the embedding's g and the head's f (SP: ḡ and g), b·s·h each
-        loss        the vocab-parallel cross-entropy: all-reduce(max) of b·s, all-reduce of 2·b·s
+        loss        the vocab-parallel cross-entropy: all-reduce(max) of b·s, all-reduce of 2·b·s, at `loss_elem`
+                    bytes an element (default `elem`; 4 under a mixed-precision recipe, whose hook hands the
+                    loss fp32 logits)
         regather    SP with regather: the input of both regions of each layer and of the head, gathered again
         sp_params   SP: the gradients of what is replicated but used on a slice of the sequence (LayerNorms,
                     row-parallel biases, positions), summed over the tp ranks
@@ -264,7 +266,8 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
     rs = ring_reduce_scatter_bytes(b * s * h, t, rank, elem)
     out = {"layers": L * (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem),
            "embed+head": (embed + head) * ((ag + rs) if sequence_parallel else ar),
-           "loss": head * (ring_all_reduce_bytes(b * s, t, rank, elem) + ring_all_reduce_bytes(2 * b * s, t, rank, elem))}
+           "loss": head * (ring_all_reduce_bytes(b * s, t, rank, loss_elem or elem)
+                            + ring_all_reduce_bytes(2 * b * s, t, rank, loss_elem or elem))}
     if plan == "naive":
         out["naive"] = L * 2 * ar
     if sequence_parallel and regather:

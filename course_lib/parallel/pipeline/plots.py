@@ -65,11 +65,15 @@ def _fit_labels(ax, placed, sizes=(7, 6, 5)):
     if not placed:
         return
     renderer = ax.figure.canvas.get_renderer()
+    widths: dict = {}         # (string, size) → width in pixels: the labels repeat ("0" … "M−1"), lay each out once
     for text, x0, w in placed:
         room = ax.transData.transform((x0 + w, 0))[0] - ax.transData.transform((x0, 0))[0]
         for size in sizes:
             text.set_fontsize(size)
-            if text.get_window_extent(renderer).width <= 0.85 * room:
+            key = (text.get_text(), size)
+            if key not in widths:
+                widths[key] = text.get_window_extent(renderer).width
+            if widths[key] <= 0.85 * room:
                 break
         else:
             text.remove()

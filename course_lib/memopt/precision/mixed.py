@@ -33,22 +33,30 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.ate
             torch.ops.aten.baddbmm.default}         # what matmul, linear and @ reach at the dispatcher
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class _Fp32Accumulation(TorchDispatchMode):
-    """fp16 matrix products on the CPU as a tensor core computes them: fp16 inputs, every product and sum in fp32,
-    the result rounded once to fp16. (An fp16·fp16 product has ≤ 22 significant bits, exact in fp32.)"""
+    """fp16 (and bf16) matrix products on the CPU as a tensor core computes them: 16-bit inputs, every product and
+    sum in fp32, the result rounded once to the inputs' dtype. (An fp16·fp16 product has ≤ 22 significant bits and a
+    bf16·bf16 one ≤ 16: exact in fp32.) bf16 is included because this CPU has no bf16 matrix unit either: its
+    fallback kernel also accumulates in fp32, only several times slower."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _MATMULS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 and a.device.type == "cpu"
-                                    for a in args):
-            up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            return func(*up, **kwargs).to(torch.float16)
+        if func in _MATMULS:
+            low = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype in _HALF
+                        and a.device.type == "cpu"), None)
+            if low is not None:
+                up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+                return func(*up, **kwargs).to(low)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def fp32_accumulation():
-    """Run fp16 matmuls (mm, bmm, addmm, baddbmm) with fp32 accumulation inside the block — forward and backward."""
+    """Run fp16 and bf16 matmuls (mm, bmm, addmm, baddbmm) with fp32 accumulation inside the block — forward and
+    backward."""
     with _Fp32Accumulation():
         yield
 

@@ -244,6 +244,18 @@ class ShardedOptimizer:
             h.remove()
         self._hooks.clear()
 
+    def close(self) -> None:
+        """Close the optimizer it shards for, where that one owns a thread or files (ZeRO-Offload's `OffloadAdam`:
+        its SSD tier's files would outlive a forked rank, which ends without running finalizers)."""
+        if isinstance(self.optimizer, contextlib.AbstractContextManager):
+            self.optimizer.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 

@@ -147,3 +147,26 @@ def test_activation_offload_inside_pipeline_stages_matches_the_pipeline_without_
             want = k * E + 2 * A if rank == 0 else (k - 1) * (H + X) + max(H + X + A, 2 * A)
             assert off["acts"] == want, (rank, off["acts"], want)
             assert plain["acts"] == (k * (E + 2 * A) if rank == 0 else k * (2 * A + H))
+
+
+def _parallelized_disk_worker(ctx, root):
+    import tempfile
+
+    from course_lib.parallel_plan import ParallelPlan
+    from course_lib.parallelize import parallelize
+    torch.set_num_threads(1)
+    tempfile.tempdir = root            # the SSD tier's default directory, so the test can look inside it
+    tc = TrainConfig(steps=1, batch_size=2 * ctx.world_size)
+    plan = ParallelPlan(dp=ctx.world_size, zero=1, offload_optimizer="disk", precision="bf16")
+    with parallelize(GPT(ODD, seed=tc.seed), Mesh(ctx.comm), plan, train=tc) as job:
+        job.train(1)
+        during = sorted(os.listdir(root))       # the tier writes its files at the first step
+    return during
+
+
+def test_closing_a_parallelized_job_removes_each_ranks_ssd_tier_files(tmp_path):
+    """A forked rank ends with os._exit, so no finalizer removes what it leaves: `Parallelized.close()` must close
+    the ZeRO optimizer, which closes the OffloadAdam it shards for, which removes its SSD tier's directory."""
+    during = launch(_parallelized_disk_worker, 2, str(tmp_path), timeout=120)
+    assert all(any(name.startswith("course-offload-") for name in d) for d in during), during
+    assert os.listdir(tmp_path) == [], f"left behind: {os.listdir(tmp_path)}"

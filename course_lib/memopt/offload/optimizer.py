@@ -225,8 +225,14 @@ class OffloadAdam(torch.optim.Optimizer):
                   if torch.is_tensor(v)) if self.tier == "host" else 0
         return {"gradients": grads, "optimizer": opt, "disk": self.disk.file_bytes if self.disk else 0}
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self) -> None:
-        """Finish a delayed step, stop the thread, remove the SSD tier's files."""
+        """Finish a delayed step, stop the thread, remove the SSD tier's files. Idempotent."""
         try:
             self.flush()
         finally:

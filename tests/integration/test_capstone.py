@@ -20,7 +20,8 @@ NPROC = 4                   # pp × dp × tp = 2 × 1 × 2: a pipeline of tensor
 
 
 def test_the_capstone_worker_runs_unchanged_under_torchrun(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun leaves its log directory (torchelastic_*) and error file in the temporary directory
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            "-m", "course_lib.run", "course_lib.capstone:torchrun_worker", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

@@ -249,7 +249,8 @@ def test_killing_a_caller_that_ignores_sigint_leaves_no_rank_behind(tmp_path, si
 
 
 def test_the_same_worker_runs_under_torchrun(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun leaves its log directory (torchelastic_*) and error file in the temporary directory
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "course_lib.run", str(ROOT / "tests/integration/_workers.py") + ":ring_sum", "16"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)

@@ -45,8 +45,14 @@ WRAPPERS = {
 }
 
 
+# The seed per world size: SEED = 3 with N = 2 and SEED = 7 with N = 3 are where notebook 03's float32 comparison
+# once failed (AdamW near its ε); in float64 every seed must agree, those two included.
+SEED_OF = {2: 3, 3: 7}
+
+
 def _tc(world_size: int, accum_steps: int = 1, steps: int = STEPS) -> TrainConfig:
-    return TrainConfig(steps=steps, batch_size=world_size * MICRO_BATCH_SIZE * accum_steps)
+    seed = SEED_OF.get(world_size, 0)
+    return TrainConfig(steps=steps, batch_size=world_size * MICRO_BATCH_SIZE * accum_steps, seed=seed, data_seed=seed)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -108,8 +114,9 @@ def test_every_wrapper_equals_reference_losses_every_step_and_parameters_at_the_
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_every_wrapper_hands_the_optimizer_the_single_process_gradient(world_size):
     _, _, results = _runs(world_size)
-    x, y = ShardedBatches(get_config(PRESET).seq_len, world_size * MICRO_BATCH_SIZE).global_batch(0)
-    model = GPT(PRESET).double()
+    tc = _tc(world_size)
+    x, y = ShardedBatches(get_config(PRESET).seq_len, tc.batch_size, seed=tc.data_seed).global_batch(0)
+    model = GPT(PRESET, seed=tc.seed).double()
     model(x, y)[1].backward()
     ref_grads = {k: p.grad for k, p in model.named_parameters()}
     for name in WRAPPERS:
@@ -268,14 +275,15 @@ ACCUM = 2
 def _accumulate(ctx):
     """K micro-steps per optimizer step with the course's loop: `run` puts all but the last under no_sync()."""
     cfg, n = get_config(PRESET), ctx.world_size
+    tc = _tc(n, ACCUM)
     out = {}
     for wrap_name in ("bucket", "overlap"):
-        model = GPT(cfg).double()
+        model = GPT(cfg, seed=tc.seed).double()
         ddp = WRAPPERS[wrap_name](model, ctx.comm)
-        data = data_parallel_batches(ctx.comm, cfg.seq_len, n * MICRO_BATCH_SIZE * ACCUM, accum_steps=ACCUM)
+        data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, accum_steps=ACCUM, seed=tc.data_seed)
         ctx.comm.ledger.reset()
         with ddp:                               # every DDP kind is a context manager (overlap: its thread)
-            r = run(ddp, make_optimizer(model.parameters(), _tc(n, ACCUM)), data, steps=STEPS,
+            r = run(ddp, make_optimizer(model.parameters(), tc), data, steps=STEPS,
                     probes=[LedgerProbe(ctx.comm)], keep_params=True)
         out[wrap_name] = {"losses": r.losses, "params": r.params, "phases": r["ledger"]["phase_bytes"],
                           "expect": ddp.expected_bytes_sent()}

@@ -62,7 +62,7 @@ def _check_cells(nb):
 
 
 def _execute(nb, path):
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True, shutdown_kernel="immediate",
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     return nb
@@ -140,7 +140,7 @@ def test_a_check_run_before_its_exercise_cell_says_which_cell_to_run():
     path = ROOT / "labs" / "lab00_warmup.ipynb"
     nb = read(path)
     checks = _check_cells(nb)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True, shutdown_kernel="immediate",
                             resources={"metadata": {"path": str(path.parent)}})
     with client.setup_kernel():
         for i, cell in enumerate(nb.cells):              # Run All: up to and including the first failing cell

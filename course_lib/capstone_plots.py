@@ -1,5 +1,6 @@
 """Pictures of the capstone (notebook 13): one per-rank timeline with computation and each mesh axis's
-communication in its own colour, and the model states per rank by category beside their formula."""
+communication in its own colour, the model states per rank by category beside their formula, and the planner's
+decision flow."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
@@ -69,3 +70,35 @@ def plot_states(measured: dict, formula: dict, *, ax=None, title: str = "Model s
 
 
 __all__ = ["plot_axis_timeline", "plot_states", "AXIS_COLORS"]
+
+
+def plot_decision_flow(flow, *, ax=None, title: str = "The decision flow, answered by the planner"):
+    """The survey's decision flow as a picture, from `calculator.planner.decision_flow`: one question per row (top
+    to bottom, in the flow's order), its answer on the arrow, and where it leads on the right — filled where the
+    planner's best option adds a technique at that step, outlined where it adds none."""
+    if not flow:
+        raise ValueError("plot_decision_flow: the flow is empty")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 0.9 * len(flow) + 0.6))
+    n = len(flow)
+    for i, d in enumerate(flow):
+        y = n - 1 - i
+        ax.text(0.0, y, d.question, ha="left", va="center", fontsize=9,
+                bbox=dict(boxstyle="round,pad=0.4", fc="#F2F2F2", ec="#555555"))
+        if i + 1 < n:
+            ax.annotate("", xy=(0.02, y - 0.72), xytext=(0.02, y - 0.28),
+                        arrowprops=dict(arrowstyle="->", color="#555555"))
+        ax.annotate(d.answer, xy=(0.72, y), xytext=(0.60, y), ha="right", va="center", fontsize=9,
+                    arrowprops=dict(arrowstyle="->", color="#555555"))
+        ax.text(0.73, y, d.outcome, ha="left", va="center", fontsize=9,
+                color="white" if d.taken else "#333333",
+                bbox=dict(boxstyle="round,pad=0.4", fc=AXIS_COLORS["compute"] if d.taken else "white",
+                          ec=AXIS_COLORS["compute"]))
+    ax.set_xlim(-0.02, 1.0)
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.axis("off")
+    ax.set_title(title, fontsize=10)
+    ax.legend(handles=[Patch(color=AXIS_COLORS["compute"], label="a technique the best option adds"),
+                       Patch(fc="white", ec=AXIS_COLORS["compute"], label="none added at this step")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return ax

@@ -7,7 +7,8 @@ analytic and *modeled* (docs/formulas.md §15). It composes formulas the course 
     memory      bytes per device by category; checkpoint size
     step_time   step_time(): compute, exposed communication per axis, bubble; MFU and HFU; the fitted `Efficiency`
     published   the papers' tables beside the calculator's values; fitting one constant on one named row
-    planner     enumerate, drop what does not fit (with why), rank, explain, place a given job
+    planner     enumerate, drop what does not fit (with why), rank, the decision flow and its explanation,
+                place a given job
     cost        GPU-hours, rent vs own, break-even utilisation, energy
     toy         the course's own runs: bytes per axis and model states per rank of a `parallelize` plan, exactly;
                 the toy's step modeled from measured op costs
@@ -15,9 +16,9 @@ analytic and *modeled* (docs/formulas.md §15). It composes formulas the course 
 from .config import CalculatorError, Cluster, Decoder, Job, check_job
 from .cost import Prices, break_even_utilisation, job_cost
 from .memory import checkpoint_bytes, memory_per_device, param_count
-from .planner import Plan, evaluate, plan
+from .planner import Plan, decision_flow, evaluate, plan
 from .step_time import IDEAL, Efficiency
 
 __all__ = ["CalculatorError", "Cluster", "Decoder", "Job", "check_job", "Prices", "break_even_utilisation",
-           "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan", "evaluate", "plan", "IDEAL",
-           "Efficiency"]
+           "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan", "decision_flow", "evaluate",
+           "plan", "IDEAL", "Efficiency"]

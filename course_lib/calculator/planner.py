@@ -4,6 +4,7 @@ terms (formulas §15.7). All of it is *modeled*: `memory.memory_per_device` and 
 
     p = plan(model, cluster, batch=1536, world=1024)
     p.best, p.ranked[:5], p.rejected[:5], p.explain()
+    decision_flow(p)      # the survey's questions, each answered from p's options (capstone_plots draws it)
     p.place(job)          # where a given (e.g. published) configuration ranks, and its time ÷ the best's
 
 Enumerated: tp a power of two dividing the heads (up to twice a node, so that crossing the node is on the table),
@@ -148,22 +149,52 @@ def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff
 
 
 # ============================================================================================ the decision flow
+@dataclass(frozen=True)
+class Decision:
+    """One question of the survey's decision flow, answered by this plan's own options.
+
+    `outcome`: where the answer leads (a technique, or none); `taken`: whether the planner's best option adds a
+    technique at this step; `evidence`: the one line that backs the answer with two options of this plan (or the
+    reason none fits)."""
+    question: str
+    answer: str
+    outcome: str
+    taken: bool
+    evidence: str
+
+
 def _best(p: Plan, pred) -> Option | None:
     return next((o for o in p.ranked if pred(o.job)), None)
 
 
-def explain(p: Plan) -> list[str]:
-    """The choice in the survey's decision-flow terms, each line backed by two options of this plan."""
-    best, dpn, lines = p.best, p.cluster.devices_per_node, []
-    j = best.job
-    lines.append(f"best: {j.describe()} — {best.seconds:.3g} s/step (modeled), MFU {best.step['mfu']:.0%}, "
-                 f"{best.memory['total'] / GB:.1f} of {p.cluster.device_memory / GB:.0f} GB")
-    inside = _best(p, lambda q: q.tp <= dpn)
-    across = _best(p, lambda q: q.tp > dpn)
-    if inside and across:
-        lines.append(f"TP stays inside a node: its 4 all-reduces per layer and micro-batch go over "
-                     f"{p.cluster.intra.name}; the best tp > {dpn} crosses to {p.cluster.inter.name} and takes "
-                     f"{across.seconds / inside.seconds:.2f}× as long")
+def _leanest_rejected(p: Plan, pred) -> Option | None:
+    """The rejected option (of those `pred` selects) that comes closest to fitting."""
+    return min((o for o in p.rejected if pred(o.job) and o.memory), key=lambda o: o.memory["total"], default=None)
+
+
+def decision_flow(p: Plan) -> list[Decision]:
+    """The survey's decision flow (formulas §15.7) in its order — data parallelism first, then ZeRO-3 or a
+    pipeline, tensor parallelism inside a node, CP for long sequences, EP for experts, recomputation, offload —
+    each question answered from the options this plan fitted and ranked. `explain` prints it;
+    `capstone_plots.plot_decision_flow` draws it."""
+    best, dpn, j = p.best, p.cluster.devices_per_node, p.best.job
+    flow = []
+
+    def only_dp(q):
+        return q.tp == 1 and q.pp == 1 and q.cp == 1 and q.zero < 3
+    dp = _best(p, only_dp)
+    if dp:
+        ev = (f"data parallelism alone fits: {dp.job.describe()} at {dp.seconds:.3g} s "
+              f"({dp.seconds / best.seconds:.2f}× the best)")
+    else:
+        r = _leanest_rejected(p, only_dp)
+        ev = ("data parallelism alone does not fit" + (f": even {r.job.describe()} {r.reason}" if r else
+                                                       " (no such mesh)"))
+    flow.append(Decision("Do the model states fit with data parallelism (ZeRO-1) alone?", "yes" if dp else "no",
+                         "DP + ZeRO-1 is enough" if only_dp(j) else
+                         f"fits, but {dp.seconds / best.seconds:.2f}× the best: go on" if dp else
+                         "shard or split the model (below)", only_dp(j), ev))
+
     z3 = _best(p, lambda q: q.zero == 3)
     pipe = _best(p, lambda q: q.pp > 1)
     if z3 and pipe:
@@ -171,30 +202,81 @@ def explain(p: Plan) -> list[str]:
         why = ("ZeRO-3's three parameter collectives per micro-batch hide behind enough compute per device"
                if win is z3 else "ZeRO-3 would gather every parameter over dp each micro-batch, more than the "
                                  "compute per device can hide; the pipeline pays a bubble and boundary sends instead")
-        lines.append(f"ZeRO-3 vs pipelining: {'ZeRO-3' if win is z3 else 'pipelining'} wins "
-                     f"({win.seconds:.3g} s vs {lose.seconds:.3g} s): {why}")
-    elif pipe and not z3:
-        lines.append("ZeRO-3 vs pipelining: no ZeRO-3 option fits (a whole layer's gathered weights and the "
-                     "unsplit activations per device), so the model is cut into pipeline stages")
-    for rc in ("selective", "full"):
-        if j.recompute == rc and not _best(p, lambda q, r=rc: q.recompute is None):
-            lines.append(f"recomputation is necessary: no option without it fits; {rc} is the cheapest that does")
-    if j.recompute is None:
-        lines.append("no recomputation: the activations fit, so nothing is computed twice")
-    if j.offload:
-        lines.append("offload is necessary: nothing fits with the optimizer state on the device")
-    if j.cp > 1:
+        ev = (f"ZeRO-3 vs pipelining: {'ZeRO-3' if win is z3 else 'pipelining'} wins "
+              f"({win.seconds:.3g} s vs {lose.seconds:.3g} s): {why}")
+        answer = "ZeRO-3" if win is z3 else "pipeline"
+    elif pipe:
+        ev = ("ZeRO-3 vs pipelining: no ZeRO-3 option fits (a whole layer's gathered weights and the "
+              "unsplit activations per device), so the model is cut into pipeline stages")
+        answer = "pipeline"
+    elif z3:
+        ev = "ZeRO-3 vs pipelining: no pipelined option fits or the layers do not divide; ZeRO-3 shards the states"
+        answer = "ZeRO-3"
+    else:
+        ev, answer = "", "neither"
+    flow.append(Decision("Shard the states with ZeRO-3, or cut the layers into a pipeline?", answer,
+                         {"ZeRO-3": "ZeRO-3 (FSDP)", "pipeline": "pipeline parallelism"}.get(answer, "neither"),
+                         (j.zero == 3) if answer == "ZeRO-3" else (j.pp > 1) if answer == "pipeline" else False, ev))
+
+    inside = _best(p, lambda q: q.tp <= dpn)
+    across = _best(p, lambda q: q.tp > dpn)
+    if inside and across:
+        ev = (f"TP stays inside a node: its 4 all-reduces per layer and micro-batch go over {p.cluster.intra.name}; "
+              f"the best tp > {dpn} crosses to {p.cluster.inter.name} and takes "
+              f"{across.seconds / inside.seconds:.2f}× as long")
+    else:
+        ev = ""
+    flow.append(Decision(f"Tensor parallelism, and only inside a node (tp ≤ {dpn})?",
+                         f"tp = {j.tp}" if j.tp > 1 else "no", "TP + SP" if j.tp > 1 else "no TP", j.tp > 1, ev))
+
+    if p.model.seq_len >= 16384:
         alone = _best(p, lambda q: q.cp == 1)
-        lines.append(f"CP is {'necessary' if alone is None else 'faster'}: at {p.model.seq_len} tokens one "
-                     f"sequence's activations per layer are too large for one device" if alone is None else
-                     f"CP is faster here ({best.seconds:.3g} s vs {alone.seconds:.3g} s without)")
+        if j.cp > 1:
+            ev = (f"CP is necessary: at {p.model.seq_len} tokens one sequence's activations per layer are too "
+                  f"large for one device" if alone is None else
+                  f"CP is faster here ({best.seconds:.3g} s vs {alone.seconds:.3g} s without)")
+        else:
+            ev = f"CP is not needed: at {p.model.seq_len} tokens the best option splits no sequence"
+        flow.append(Decision("Long sequences (≥ 16K tokens): split each over a CP group?",
+                             f"cp = {j.cp}" if j.cp > 1 else "no",
+                             "context parallelism" if j.cp > 1 else "no CP", j.cp > 1, ev))
     if p.model.n_expert:
-        lines.append(f"EP: ep={j.ep} spreads the {p.model.n_expert} experts; experts are "
-                     f"{'split' if j.ep > 1 else 'replicated'} over the dp ranks")
+        flow.append(Decision("Mixture of experts: spread the experts over an EP group?",
+                             f"ep = {j.ep}" if j.ep > 1 else "no",
+                             "expert parallelism" if j.ep > 1 else "experts replicated", j.ep > 1,
+                             f"EP: ep={j.ep} spreads the {p.model.n_expert} experts; experts are "
+                             f"{'split' if j.ep > 1 else 'replicated'} over the dp ranks"))
+
+    plain = _best(p, lambda q: q.recompute is None)
+    if j.recompute is None:
+        ev = "no recomputation: the activations fit, so nothing is computed twice"
+    elif plain is None:
+        ev = f"recomputation is necessary: no option without it fits; {j.recompute} is the cheapest that does"
+    else:
+        ev = (f"{j.recompute} recomputation is faster here ({best.seconds:.3g} s vs {plain.seconds:.3g} s "
+              f"without): the memory it frees buys a larger micro-batch or a smaller model-parallel group")
+    flow.append(Decision("Do the activations fit without recomputation?", "yes" if plain else "no",
+                         f"{j.recompute} recomputation" if j.recompute else "no recomputation",
+                         j.recompute is not None, ev))
+
+    flow.append(Decision("Does the optimizer state fit on the device?", "no" if j.offload else "yes",
+                         "optimizer offload" if j.offload else "optimizer on the device", bool(j.offload),
+                         "offload is necessary: nothing fits with the optimizer state on the device"
+                         if j.offload else ""))
+    return flow
+
+
+def explain(p: Plan) -> list[str]:
+    """The choice in the survey's decision-flow terms: the best option, then the evidence of each decision of
+    `decision_flow` (each line backed by two options of this plan), then the fastest rejected option."""
+    best = p.best
+    lines = [f"best: {best.job.describe()} — {best.seconds:.3g} s/step (modeled), MFU {best.step['mfu']:.0%}, "
+             f"{best.memory['total'] / GB:.1f} of {p.cluster.device_memory / GB:.0f} GB"]
+    lines += [d.evidence for d in decision_flow(p) if d.evidence]
     if p.rejected:
         r = p.rejected[0]
         lines.append(f"fastest rejected: {r.job.describe()} — {r.reason}")
     return lines
 
 
-__all__ = ["Option", "Plan", "candidates", "evaluate", "plan", "explain"]
+__all__ = ["Option", "Plan", "Decision", "candidates", "evaluate", "plan", "decision_flow", "explain"]

@@ -64,3 +64,48 @@ def test_a_job_the_planner_rejects_is_placed_with_its_reason():
     p = plan(MODEL, NODE, batch=64, world=16)
     pl = p.place(Job(batch=64, dp=16, zero=0))
     assert pl["rank"] is None and "GB per device" in pl["reason"]
+
+
+def test_the_decision_flow_answers_each_question_from_the_plans_own_options():
+    from course_lib.calculator import decision_flow, evaluate
+    from course_lib.calculator.planner import candidates
+    eff = P.fitted_efficiency()
+    small = plan(MODEL.replace(name="GPT 1.3B", n_layer=24, d_model=2048, n_head=16), NODE, batch=64, world=16,
+                 eff=eff)
+    first = decision_flow(small)[0]
+    assert first.answer == "yes" and first.taken and small.best.job.tp == small.best.job.pp == 1
+
+    long = MODEL.replace(name="GPT 13B, 32K", seq_len=32768)
+    p = plan(long, NODE, batch=16, world=16, eff=eff)
+    flow = decision_flow(p)
+    by_q = {d.question.split("?")[0].split(" (")[0]: d for d in flow}
+    assert "Long sequences" in by_q and not any(d.question.startswith("Mixture") for d in flow)
+    # "recomputation is necessary" must mean what it says: no candidate without recomputation fits, by brute force
+    plain = [evaluate(long, NODE, j, eff, 16) for j in candidates(long, NODE, 16, 16, recompute=(None,))]
+    rc = by_q["Do the activations fit without recomputation"]
+    assert rc.answer == ("yes" if any(o.fits for o in plain) else "no") == ("no" if "necessary" in rc.evidence
+                                                                            else "yes")
+    assert p.explain() == [p.explain()[0]] + [d.evidence for d in flow if d.evidence] + [p.explain()[-1]]
+
+    moe = plan(MODEL.replace(name="MoE", n_layer=24, d_model=2048, n_head=16, n_expert=8), NODE, batch=64,
+               world=16, eff=eff)
+    ep = [d for d in decision_flow(moe) if d.question.startswith("Mixture")]
+    assert len(ep) == 1 and f"ep={moe.best.job.ep}" in ep[0].evidence
+
+
+def test_the_decision_flow_picture_draws_each_answer_and_fills_what_the_best_option_adds():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from course_lib.calculator import decision_flow
+    from course_lib.capstone_plots import plot_decision_flow
+    flow = decision_flow(plan(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency()))
+    ax = plot_decision_flow(flow)
+    texts = {t.get_text(): t for t in ax.texts}
+    for d in flow:
+        assert d.question in texts and d.answer in texts
+        face = texts[d.outcome].get_bbox_patch().get_facecolor()
+        assert (face[:3] != (1.0, 1.0, 1.0)) == d.taken, d
+    plt.close(ax.figure)
+    with pytest.raises(ValueError, match="empty"):
+        plot_decision_flow([])

@@ -2,7 +2,9 @@
 
 Each notebook runs once with another SEED and, if it has one, another WORLD_SIZE in the same run (a knob that no
 cell after the parameters reads is not varied: that run would repeat the default one); a notebook adds combinations
-in its metadata, e.g. `"course": {"matrix": [{"SEED": 7, "WORLD_SIZE": 3}]}`. Notebook 00 is also
+in its metadata, e.g. `"course": {"matrix": [{"SEED": 7, "WORLD_SIZE": 3}]}`, and sets other knobs of that first
+run with `"course": {"variant": {"STEPS": 1}}`: other values a learner could pick, at the cheap end of their stated
+range (fewer steps, repeats or micro-batches), so the run tests those knobs too and costs less. Notebook 00 is also
 run with WORLD_SIZE = 0, which must fail at once with the allowed range.
 
 Lectures also run at their defaults under nbval (`make test` collects notebooks/); solutions run here only — every
@@ -39,6 +41,8 @@ def matrix(path) -> list:
         first["SEED"] = 3 if defaults["SEED"] != 3 else 4
     if "WORLD_SIZE" in used:
         first["WORLD_SIZE"] = 3 if defaults["WORLD_SIZE"] != 3 else 2
+    if first:
+        first.update(nb.metadata.get("course", {}).get("variant", {}))
     return ([first] if first else []) + list(nb.metadata.get("course", {}).get("matrix", []))
 
 

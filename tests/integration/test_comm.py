@@ -112,3 +112,19 @@ def test_ledger_prefix_tags_and_reset():
     assert L.bytes_sent(tag="bucket*") == 15 and L.messages(tag="bucket*") == 2 and L.bytes_recv() == 7
     L.reset()
     assert L.bytes_sent() == 0
+
+
+def test_the_ledgers_running_totals_equal_the_sum_of_its_events():
+    """bytes_sent(group=…) reads running totals (probes call it after every phase); they must stay the events' sum
+    through record, reset and a ledger built from a slice of another's events."""
+    from course_lib.dist.comm import Event, Ledger
+    events = [Event("send", "send", "t", 0.0, 1.0, sent=s, group=g) for s, g in
+              ((8, "dp"), (0, "dp"), (16, "tp"), (4, "dp"), (32, "world"))]
+    led = Ledger(0, 2)
+    for e in events:
+        led.record(e)
+    for group in (None, "dp", "tp", "world", "pp"):
+        assert led.bytes_sent(group=group) == sum(e.sent for e in events if group is None or e.group == group)
+    assert Ledger(0, 2, events[2:]).bytes_sent(group="dp") == 4 and Ledger(0, 2, events[2:]).bytes_sent() == 52
+    led.reset()
+    assert led.bytes_sent() == 0 and led.bytes_sent(group="dp") == 0

@@ -293,6 +293,24 @@ def shape_jobs(steps: int = 2, seed: int = 0) -> list:
             Job("EP × DP", ParallelPlan(dp=4, ep=2), MOE, tc)]
 
 
+def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2097152)) -> dict:
+    """The toy's step, measured for the calculator to model (notebook 13 §3): first this machine's link between
+    ranks 0 and 1 (`dist.comm.ping_pong`, the fastest of 5; the notebook fits α + S·β to it), then each job trained
+    `steps` steps with nothing attached (no memory tracker, no FLOP counter, no ledger probe). Per job: this rank's
+    seconds of every step and the messages it sent per step on each mesh axis (the ledger's count ÷ steps)."""
+    from .dist.comm import ping_pong
+    out = {"one_way": ping_pong(ctx, list(ping_sizes), 5), "jobs": []}
+    for job in jobs:
+        mesh = Mesh(ctx.comm, pp=job.plan.pp, dp=job.plan.dp, cp=job.plan.cp, tp=job.plan.tp, ep=job.plan.ep)
+        with parallelize(GPT(job.cfg, seed=job.tc.seed), mesh, job.plan, train=job.tc) as p:
+            ctx.comm.ledger.reset()
+            run = p.train(steps)
+        out["jobs"].append({"seconds": run.step_seconds,
+                            "messages": {g: ctx.comm.ledger.messages(group=g) / steps for g in GROUPS
+                                         if ctx.comm.ledger.messages(group=g)}})
+    return out
+
+
 def torchrun_worker(ctx, steps: str = "2") -> dict:
     """`python -m torch.distributed.run --standalone --nproc-per-node 8 -m course_lib.run
     course_lib.capstone:torchrun_worker 2`: the capstone's float64 composed run on however many ranks torchrun
@@ -309,4 +327,4 @@ def torchrun_worker(ctx, steps: str = "2") -> dict:
 
 __all__ = ["Job", "run_job", "capstone_worker", "reference_run", "state_formula",
            "ep_expected_bytes", "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "torchrun_worker",
-           "GROUPS", "STATES"]
+           "time_worker", "GROUPS", "STATES"]

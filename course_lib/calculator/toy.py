@@ -23,7 +23,9 @@ Step time on the toy is *modeled* from op costs (`modeled_step`), measured here 
 block's and the embedding + head's forward + backward seconds for one micro-batch, in one process. A rank's compute
 per micro-batch is its blocks' and ends' share ÷ tp (× 4/3 when full recomputation reruns the forward), times M,
 times notebook 05's pipeline factor (`step_time.pipeline_factor`); each axis's communication is α per message +
-bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped. The stated
+bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped; and every step
+pays one overhead beyond its forward and backward (AdamW, the batch, the loop), fitted once on the one-process run
+of the same loop (`step_overhead`) and never on the runs it predicts. The stated
 tolerance is a factor of 2 either way (TOLERANCE, formulas §15.9): the toy's ops last tens of microseconds, where
 Python dispatch and gloo's scheduler-tick latency (several ms when ranks outnumber cores) are of the order of the
 op itself, and TP's split of a 32-wide matmul does not divide its time by t. `measured_vs_modeled` gives the
@@ -190,8 +192,10 @@ def measure_op_costs(cfg, micro_batch_size: int, repeats: int = 5, dtype=torch.f
 
 
 def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = None) -> list[dict]:
-    """Per rank, the *modeled* step in seconds by part (module docstring): 'compute', 'bubble' and one entry per
-    axis. `messages` ({axis: count per step}, e.g. a ledger's) adds α per message; without it only bytes count."""
+    """Per rank, the *modeled* step in seconds by part (module docstring): 'compute', 'bubble', 'step overhead'
+    (`op_costs['step']`, 0 if absent: what a step costs beyond its forward and backward — the optimizer, the
+    batch, the loop; `step_overhead` fits it on one process) and one entry per axis. `messages` ({axis: count per
+    step}, e.g. a ledger's) adds α per message; without it only bytes count."""
     from ..parallel.pipeline.executor import plan_pipeline
     from .step_time import pipeline_factor
     out = []
@@ -204,11 +208,20 @@ def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = No
         per_mb = (parts["layers"] * op_costs["block"] * (4 / 3 if plan.recompute == "full" else 1) + ends) / plan.tp
         compute = M * per_mb
         factor = pipeline_factor(plan.schedule, plan.pp, M, plan.chunks) if plan.pp > 1 else 1.0
-        t = {"compute": compute, "bubble": compute * (factor - 1)}
+        t = {"compute": compute, "bubble": compute * (factor - 1), "step overhead": op_costs.get("step", 0.0)}
         for axis, nbytes in r["bytes"].items():
             t[axis] = nbytes / link.bandwidth + link.alpha * (messages or {}).get(axis, 0)
         out.append({"coords": r["coords"], "parts": t, "total": sum(t.values())})
     return out
+
+
+def step_overhead(cfg, tc, op_costs: dict, measured_one_process_s: float) -> float:
+    """The one fitted constant of the toy's step model: the measured step of one process (the same loop, no
+    parallelism) minus the forward + backward its op costs predict — everything else a step does once (AdamW,
+    zero_grad, the batch, Python). Fitted on the one-process run, never on the runs it then predicts."""
+    from ..parallel_plan import ParallelPlan
+    one = modeled_step(cfg, ParallelPlan(), tc, {**op_costs, "step": 0.0}, None)[0]["total"]
+    return max(measured_one_process_s - one, 0.0)
 
 
 def measured_vs_modeled(measured_s: float, modeled: list[dict]) -> dict:
@@ -220,5 +233,5 @@ def measured_vs_modeled(measured_s: float, modeled: list[dict]) -> dict:
             "within": 1 / TOLERANCE <= ratio <= TOLERANCE}
 
 
-__all__ = ["expected", "measure_op_costs", "modeled_step", "measured_vs_modeled", "rank_layout", "model_state_memory",
+__all__ = ["expected", "measure_op_costs", "modeled_step", "step_overhead", "measured_vs_modeled", "rank_layout", "model_state_memory",
            "coords_of", "LayoutComm", "TOLERANCE"]

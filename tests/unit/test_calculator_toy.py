@@ -44,3 +44,15 @@ def test_plans_the_toy_layout_does_not_count_are_refused_with_the_reason():
         toy.expected(CFG, ParallelPlan(dp=2, precision="bf16"), TC)
     with pytest.raises(RuntimeError, match="cannot communicate"):
         toy.LayoutComm(0, 2, "dp").all_reduce(None)
+
+
+def test_the_step_overhead_is_fitted_on_one_process_and_added_once_to_every_ranks_step():
+    one = toy.modeled_step(CFG, ParallelPlan(), TC, COSTS, LINK)[0]["total"]          # no overhead given: fwd + bwd
+    assert one == pytest.approx(CFG.n_layer * COSTS["block"] + COSTS["ends"], rel=1e-12)
+    step = toy.step_overhead(CFG, TC, COSTS, one + 3e-3)
+    assert step == pytest.approx(3e-3, rel=1e-9) and toy.step_overhead(CFG, TC, COSTS, one / 2) == 0.0
+    plan = ParallelPlan(pp=2, dp=2, microbatches=4)
+    with_step = toy.modeled_step(CFG, plan, TC, {**COSTS, "step": step}, LINK)
+    without = toy.modeled_step(CFG, plan, TC, COSTS, LINK)
+    for a, b in zip(with_step, without):
+        assert a["parts"]["step overhead"] == step and a["total"] == pytest.approx(b["total"] + step, rel=1e-12)

@@ -121,6 +121,14 @@ def test_readme_course_map_lists_every_notebook_and_lab():
         assert path.name in readme, f"README.md's course map does not mention {path.name}"
 
 
+def test_notebook_00s_course_map_lists_every_notebook_by_number():
+    cell = next(c.source for c in read(ROOT / "notebooks" / "00_orientation.ipynb").cells
+                if c.cell_type == "markdown" and "## The course map" in c.source)
+    listed = set(re.findall(r"^\| (\d\d) \|", cell, flags=re.M))
+    assert listed == {p.name[:2] for p in NOTEBOOKS}, \
+        f"notebook 00's course map lists {sorted(listed)}; the notebooks are {sorted(p.name[:2] for p in NOTEBOOKS)}"
+
+
 def _constant_names(nb) -> set:
     """Names every assignment of which (outside the parameters cell) is arithmetic on literals and other such names:
     `hours = 54 * 24`, `mtbf = hours / 419`. Knobs are inputs, not constants."""

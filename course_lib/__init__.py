@@ -52,7 +52,8 @@ def source_of(obj, *, lines=None, only=None) -> str:
 
     only:  for a class, the method names to show (a str or a list): the class line and docstring, then those
            methods; a comment names the ones left out.
-    lines: (first, last), 1-based lines of the object's source to keep; a comment marks what was cut.
+    lines: (first, last), 1-based lines of the object's source to keep, or a list of such ranges in order; a
+           comment marks what was cut.
     """
     import inspect
     import textwrap
@@ -78,15 +79,20 @@ def source_of(obj, *, lines=None, only=None) -> str:
     src = inspect.getsource(obj)
     if lines is None:
         return src
-    first, last = lines
+    ranges = [tuple(lines)] if isinstance(lines[0], int) else [tuple(r) for r in lines]
     all_lines = src.splitlines()
-    if not 1 <= first <= last <= len(all_lines):
-        raise ValueError(f"lines={lines!r}: the source of {getattr(obj, '__qualname__', obj)} has lines 1 to "
-                         f"{len(all_lines)}")
-    cut = all_lines[first - 1:last]
-    before = [f"# … {first - 1} line(s) above"] if first > 1 else []
-    after = [f"# … {len(all_lines) - last} line(s) below"] if last < len(all_lines) else []
-    return "\n".join(before + cut + after) + "\n"
+    shown, end = [], 0                      # `end`: the last line shown so far
+    for first, last in ranges:
+        if not end < first <= last <= len(all_lines):
+            raise ValueError(f"lines={lines!r}: the source of {getattr(obj, '__qualname__', obj)} has lines 1 to "
+                             f"{len(all_lines)}; give ranges (first, last) in order, not overlapping")
+        if first > end + 1:
+            shown.append(f"# … {first - end - 1} line(s) {'above' if end == 0 else 'left out'}")
+        shown += all_lines[first - 1:last]
+        end = last
+    if end < len(all_lines):
+        shown.append(f"# … {len(all_lines) - end} line(s) below")
+    return "\n".join(shown) + "\n"
 
 
 def show_source(obj, *, title: str | None = None, lines=None, only=None):

@@ -23,3 +23,14 @@ def test_bad_requests_say_what_exists():
         source_of(ShardCache, only="nothing")
     with pytest.raises(ValueError, match="has lines 1 to"):
         source_of(ShardCache.put, lines=(0, 10_000))
+
+
+def test_several_ranges_keep_each_slice_in_order_and_mark_every_cut():
+    full = source_of(ShardCache.put).splitlines()
+    n = len(full)
+    assert n >= 6
+    part = source_of(ShardCache.put, lines=[(1, 2), (4, 5)]).splitlines()
+    assert part[:2] == full[:2] and part[2] == "# … 1 line(s) left out" and part[3:5] == full[3:5]
+    assert part[5:] == ([f"# … {n - 5} line(s) below"] if n > 5 else [])
+    with pytest.raises(ValueError, match="in order, not overlapping"):
+        source_of(ShardCache.put, lines=[(3, 4), (2, 5)])

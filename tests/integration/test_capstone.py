@@ -36,3 +36,24 @@ def test_the_capstone_worker_runs_unchanged_under_torchrun(tmp_path):
         assert set(r["want"]) == {"pp", "tp"}, (i, r)       # dp = 1: nothing to reduce
         if r["loss_err"] is not None:                       # the last stage computes the loss
             assert r["loss_err"] < 1e-12, (i, r)
+
+
+def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_step():
+    """What notebook 13 §3 models the toy's step from: the ping-pong's one-way times, each step's seconds, and the
+    messages per step on each axis — for DDP on 2 ranks, the dp all-reduces only."""
+    from course_lib.capstone import CONFIG, Job, time_worker
+    from course_lib.dist.launch import launch
+    from course_lib.model import get_config
+    from course_lib.parallel_plan import ParallelPlan
+    from course_lib.train import TrainConfig
+    cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
+    jobs = [Job("DDP", ParallelPlan(dp=2), cfg, TrainConfig(steps=1, batch_size=8), "float32"),
+            Job("pipeline", ParallelPlan(pp=2, microbatches=2), cfg, TrainConfig(steps=1, batch_size=8), "float32")]
+    res = launch(time_worker, 2, jobs, 3, [8, 4096], timeout=120)
+    for r in res:
+        assert len(r["one_way"]) == 2 and all(t > 0 for t in r["one_way"])
+        ddp, pipe = r["jobs"]
+        assert len(ddp["seconds"]) == len(pipe["seconds"]) == 3 and all(s > 0 for s in ddp["seconds"])
+        assert set(ddp["messages"]) == {"dp"} and set(pipe["messages"]) == {"pp"}
+    # 1F1B with 2 micro-batches: each stage sends 2 boundary tensors per step (activations forward or gradients back)
+    assert [r["jobs"][1]["messages"]["pp"] for r in res] == [2, 2]

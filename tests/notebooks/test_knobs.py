@@ -56,7 +56,10 @@ _RUNNER = textwrap.dedent(r"""
     jobs, results = json.load(open(sys.argv[1])), {}
     shell = InteractiveShell.instance()
     for job in jobs:
-        shell.reset(new_session=False)
+        # a fresh namespace per job; not shell.reset(), whose gc.collect() cost 0.25 s a job (half of this run)
+        shell.user_ns.clear()
+        shell.user_ns_hidden.clear()
+        shell.init_user_ns()
         os.chdir(job["cwd"])
         res = {"ok": True}
         for index, source in job["cells"]:

@@ -305,9 +305,10 @@ def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2
         with parallelize(GPT(job.cfg, seed=job.tc.seed), mesh, job.plan, train=job.tc) as p:
             ctx.comm.ledger.reset()
             run = p.train(steps)
+        sent = ctx.comm.ledger.by("group")
         out["jobs"].append({"seconds": run.step_seconds,
-                            "messages": {g: ctx.comm.ledger.messages(group=g) / steps for g in GROUPS
-                                         if ctx.comm.ledger.messages(group=g)}})
+                            "messages": {g: r["messages"] / steps for g, r in sent.items()
+                                         if g in GROUPS and r["messages"]}})
     return out
 
 

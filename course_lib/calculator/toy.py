@@ -233,5 +233,5 @@ def measured_vs_modeled(measured_s: float, modeled: list[dict]) -> dict:
             "within": 1 / TOLERANCE <= ratio <= TOLERANCE}
 
 
-__all__ = ["expected", "measure_op_costs", "modeled_step", "step_overhead", "measured_vs_modeled", "rank_layout", "model_state_memory",
-           "coords_of", "LayoutComm", "TOLERANCE"]
+__all__ = ["expected", "measure_op_costs", "modeled_step", "step_overhead", "measured_vs_modeled", "rank_layout",
+           "model_state_memory", "coords_of", "LayoutComm", "TOLERANCE"]

@@ -129,6 +129,58 @@ def test_notebook_00s_course_map_lists_every_notebook_by_number():
         f"notebook 00's course map lists {sorted(listed)}; the notebooks are {sorted(p.name[:2] for p in NOTEBOOKS)}"
 
 
+SETUP_COMMON = {"torch", "np", "plt", "tqdm", "check_knobs", "show_source"}   # the block every notebook opens with
+SETUP_WIDE = 3            # a library name used in this many sections is imported once, in the setup cell
+SETUP_MAX_LINES = 40
+
+
+def _names_loaded(source: str) -> set:
+    from IPython.core.inputtransformer2 import TransformerManager
+    tree = ast.parse(TransformerManager().transform_cell(source))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=rel)
+def test_the_setup_cell_imports_only_what_it_or_several_sections_use(path):
+    """The cell after the environment guard is a short import block and the knob check, not every import of the
+    notebook: a name one or two sections use is imported in the first cell that uses it, where a learner reading
+    that section sees where it comes from. Imports nothing uses are defects wherever they are."""
+    nb = read(path)
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    first = next(k for k, i in enumerate(code) if "parameters" in nb.cells[i].metadata.get("tags", []))
+    if len(code) <= first + 2:
+        return
+    setup = code[first + 2]
+    source = nb.cells[setup].source
+    assert len(source.splitlines()) <= SETUP_MAX_LINES, (
+        f"{rel(path)}: the setup cell (cell {setup}) has {len(source.splitlines())} lines; keep it to the common "
+        f"imports, the knob check and what the knobs derive (≤ {SETUP_MAX_LINES})")
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    rest = "\n".join(ln for k, ln in enumerate(lines, 1)
+                     if not any(n.lineno <= k <= n.end_lineno for n in imports))
+    here = _names_loaded(rest)
+    section, sections_using = 0, {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and re.search(r"^## ", cell.source, flags=re.M):
+            section = i
+        elif cell.cell_type == "code" and i > setup:
+            for name in _names_loaded(cell.source):
+                sections_using.setdefault(name, set()).add(section)
+    for node in imports:
+        if "noqa" in lines[node.lineno - 1]:      # imported for its side effect (e.g. so forked ranks inherit it)
+            continue
+        for alias in node.names:
+            name = (alias.asname or alias.name).split(".")[0]
+            used = len(sections_using.get(name, ()))
+            assert name in here or name in SETUP_COMMON or used, \
+                f"{rel(path)}: the setup cell imports {name}, which no cell uses: remove it"
+            assert name in here or name in SETUP_COMMON or used >= SETUP_WIDE, (
+                f"{rel(path)}: the setup cell imports {name}, which only {used} section(s) use: import it in the "
+                f"first cell that uses it")
+
+
 def _constant_names(nb) -> set:
     """Names every assignment of which (outside the parameters cell) is arithmetic on literals and other such names:
     `hours = 54 * 24`, `mtbf = hours / 419`. Knobs are inputs, not constants."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .dist.mesh import Mesh
+from .memopt.recompute_plan import activation_peak
 from .model import GPT, GPTConfig, get_config
 from .parallel_plan import ParallelPlan
 from .parallelize import parallelize
@@ -203,7 +204,8 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
         model = GPT(job.cfg, seed=job.tc.seed).to(dtype)
         with parallelize(model, mesh, plan, train=job.tc) as p:
             e = next(p.model.parameters()).element_size() if plan.zero != 3 else dtype.itemsize
-            mem = MemoryProbe(timeline=False)
+            # a recomputation's rebuilt tensors are their own category: its activation peak needs the timeline
+            mem = MemoryProbe(timeline=plan.recompute is not None)
             probes, host = [LedgerProbe(ctx.comm, groups=GROUPS), mem], None
             if job.checkpoint is not None:
                 probes.append(_checkpoint_probe(job))
@@ -219,6 +221,7 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
                    "want": wants, "layout": _layout(p),
                    "state": {c: run["memory"]["after_step"][-1][c] for c in STATES},
                    "peak": dict(run["memory"]["report"].max_by_category),
+                   "saved": _saved_peak(run["memory"]["report"]),
                    "flops": flops.get_total_flops() // job.tc.steps if job.flops else None,
                    "names": sorted(run.params)}
             out["state_formula"] = state_formula(plan, out["layout"], e, dtype.itemsize)
@@ -230,6 +233,12 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
             if job.timeline:                    # a copy: the next job of this launch resets the ledger
                 out["ledger"] = copy.deepcopy(ctx.comm.ledger)
     return out
+
+
+def _saved_peak(report) -> int:
+    """The activation peak: saved for backward plus what a recomputation rebuilds (a category of its own, summed
+    over the timeline); without recomputation, the activations' own maximum."""
+    return activation_peak(report) if report.timeline else report.max_by_category.get("activations", 0)
 
 
 def _checkpoint_probe(job: Job):

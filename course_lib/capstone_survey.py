@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capstone import CONFIG, MOE, Job, run_job
+from .capstone import CONFIG, DTYPES, MOE, Job, run_job
 from .model import get_config
 from .parallel_plan import ParallelPlan
 from .train import TrainConfig
@@ -77,6 +77,52 @@ def base_flops(cfg, batch_size: int) -> int:
     from .memopt.recompute_plan import formula_costs
     costs = formula_costs(cfg, batch_size)
     return 3 * (sum(b.fwd_flops for b in costs.blocks) + 2 * batch_size * cfg.seq_len * cfg.d_model * cfg.vocab_size)
+
+
+NO_ACTIVATION_FORMULA = {
+    "ep": "the router decides how many tokens each expert keeps",
+    "zb_h1": "the B/W split keeps each linear's input and output gradient from B until its W runs",
+    "mixed": "mixed precision with another technique: the formulas beside it take one element size, the loss is fp32",
+}
+
+
+def activation_formula(job: Job, coords: dict) -> "tuple[int | None, str]":
+    """(bytes, source): the activation peak — bytes saved for backward plus what a recomputation rebuilds, at the
+    busiest moment — that the course's closed forms predict for `job` on the rank at mesh `coords`, and which
+    formula gave it; (None, why) where the course has none (`NO_ACTIVATION_FORMULA`). Every rank holds
+    b = batch / (dp · micro-batches) sequences at a time (tp and cp ranks share theirs)."""
+    from .memopt.offload.activations import offloaded_activation_peak
+    from .memopt.recompute import make_plan
+    from .memopt.recompute_plan import formula_costs, pipeline_peaks, plan_peak
+    from .model import activation_bytes
+    from .parallel.context import cp_activation_bytes
+    from .parallel.pipeline.executor import plan_pipeline
+    from .parallel.tensor import tp_activation_bytes
+    plan, cfg = job.plan, job.cfg
+    b = job.tc.batch_size // (plan.dp * plan.microbatches)
+    mixed = plan.precision in ("bf16", "fp16")
+    e = 2 if mixed else DTYPES[job.dtype].itemsize
+    others = plan.tp > 1 or plan.cp > 1 or plan.pp > 1 or plan.recompute is not None or plan.offload_activations
+    if plan.ep > 1:
+        return None, NO_ACTIVATION_FORMULA["ep"]
+    if plan.pp > 1 and plan.schedule == "zb_h1":
+        return None, NO_ACTIVATION_FORMULA["zb_h1"]
+    if mixed and others:
+        return None, NO_ACTIVATION_FORMULA["mixed"]
+    if mixed:                                    # 16-bit activations; the logits are upcast for an fp32 loss
+        return activation_bytes(cfg, b, elem_bytes=e, loss_elem_bytes=4), "activation_bytes, fp32 loss"
+    if plan.tp > 1:
+        return tp_activation_bytes(cfg, b, plan.tp, sequence_parallel=plan.sequence_parallel, elem=e), \
+            "tp_activation_bytes"
+    if plan.cp > 1:
+        return cp_activation_bytes(cfg, b, plan.cp, e), "cp_activation_bytes"
+    if plan.offload_activations:
+        return offloaded_activation_peak(cfg, b, elem_bytes=e), "offloaded_activation_peak"
+    costs, policy = formula_costs(cfg, b, elem_bytes=e), plan.recompute or "none"
+    if plan.pp > 1:
+        layout = plan_pipeline(cfg, plan.pp, plan.microbatches, plan.schedule, chunks=plan.chunks, layers=plan.layers)
+        return pipeline_peaks(layout.schedule, layout.bounds, costs, policy)[coords["pp"]], "pipeline_peaks"
+    return plan_peak(make_plan(policy, cfg.n_layer), costs), "plan_peak"
 
 
 @dataclass(frozen=True)
@@ -152,5 +198,5 @@ def survey_worker(ctx, jobs, references=None) -> list:
             for job, ref in zip(jobs, references)]
 
 
-__all__ = ["survey_jobs", "survey_worker", "redundant_worker", "redundant_extra_flops", "GridJob", "run_grid", "extra_flops", "base_flops", "RNG_BYTES",
-           "SURVEY_WORLD"]
+__all__ = ["survey_jobs", "survey_worker", "redundant_worker", "redundant_extra_flops", "GridJob", "run_grid",
+           "extra_flops", "base_flops", "activation_formula", "NO_ACTIVATION_FORMULA", "RNG_BYTES", "SURVEY_WORLD"]

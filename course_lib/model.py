@@ -329,23 +329,26 @@ def embed_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int
 
 
 def head_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
-                          elem_bytes: int = 4) -> int:
+                          elem_bytes: int = 4, loss_elem_bytes: int | None = None) -> int:
     """Bytes the head and the loss save for backward: ln_f's input and output, its mean and rstd (in the input's
     dtype on CPU), the log-softmax output of width V, the int64 targets and cross-entropy's total weight (one
-    element)."""
+    element). `loss_elem_bytes`: the loss's element size where it differs (mixed precision upcasts the logits and
+    computes the log-softmax in fp32: 4)."""
     c = get_config(cfg)
     B, T = batch_size, seq_len or c.seq_len
-    return elem_bytes * B * T * (2 * c.d_model + c.vocab_size + 2) + 8 * B * T + elem_bytes
+    e_loss = elem_bytes if loss_elem_bytes is None else loss_elem_bytes
+    return elem_bytes * B * T * (2 * c.d_model + 2) + e_loss * B * T * c.vocab_size + 8 * B * T + e_loss
 
 
-def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4) -> int:
+def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4,
+                     loss_elem_bytes: int | None = None) -> int:
     """Bytes the whole GPT saves for backward in one forward with separate input and target tensors: the
     embedding's (`embed_activation_bytes`), every block's (`block_activation_bytes`), the head's and the loss's
     (`head_activation_bytes`) — the one count that pipeline stages, recomputation plans and offload split up."""
     c = get_config(cfg)
     B, T = batch_size, seq_len or c.seq_len
     return (embed_activation_bytes(c, B, T, elem_bytes) + c.n_layer * block_activation_bytes(c, B, T, elem_bytes)
-            + head_activation_bytes(c, B, T, elem_bytes))
+            + head_activation_bytes(c, B, T, elem_bytes, loss_elem_bytes))
 
 
 def blocks_of(model: nn.Module) -> list:

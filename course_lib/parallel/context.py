@@ -329,6 +329,33 @@ def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelG
     return ContextParallelGPT(model, axis_comm(mesh_or_comm, "cp"), layout)
 
 
+def ring_activation_bytes(b: int, seq_len: int, d_model: int, n_head: int, cp: int, elem: int) -> int:
+    """What ring attention saves for backward on one rank: Q, K, V and O of its T/cp tokens, and the log-sum-exp
+    of each (head, query) row: e·b·(T/cp)·(4d + nh)."""
+    return elem * b * (seq_len // cp) * (4 * d_model + n_head)
+
+
+def allgather_activation_bytes(b: int, seq_len: int, d_model: int, n_head: int, cp: int, elem: int) -> int:
+    """What `allgather_attention` saves on one rank: its Q (T/cp tokens), all T keys and values, the (T/cp) × T
+    probabilities of every head, and the causal mask as bools: e·b·((T/cp)·d + 2·T·d + nh·(T/cp)·T) + (T/cp)·T."""
+    n = seq_len // cp
+    return elem * b * (n * d_model + 2 * seq_len * d_model + n_head * n * seq_len) + n * seq_len
+
+
+def cp_activation_bytes(cfg, batch_size: int, cp: int, elem: int = 4) -> int:
+    """Bytes the whole ContextParallelGPT saves for backward on one cp rank in one forward (exact; no dropout): the
+    single-process count (`model.activation_bytes`) at T/cp tokens, with each block's attention core replaced by
+    ring attention's — no (T/cp)² probabilities and causal mask, but one log-sum-exp per head and query (its Q, K, V
+    and O are the tensors of width d the block already counts)."""
+    from ..model import activation_bytes, get_config
+    c = get_config(cfg)
+    b, n = batch_size, c.seq_len // cp
+    core = elem * b * n * c.n_head * n + n * n                      # what a one-process block keeps: softmax, mask
+    lse = elem * b * n * c.n_head
+    return activation_bytes(c, b, n, elem) + c.n_layer * (lse - core)
+
+
 __all__ = ["ContextParallelGPT", "apply_cp", "LAYOUTS", "positions", "check_cp", "visible_pairs", "shard", "unshard",
            "ring_bytes_per_layer", "ring_attention", "allgather_attention", "allgather_bytes_per_layer",
-           "reference_attention", "Transfer", "rotate", "block_spans", "block_span"]
+           "reference_attention", "Transfer", "rotate", "block_spans", "block_span", "ring_activation_bytes",
+           "allgather_activation_bytes", "cp_activation_bytes"]

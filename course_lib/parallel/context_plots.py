@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from . import context as C
+from .context import allgather_activation_bytes, ring_activation_bytes  # noqa: F401  (re-exported: notebook 12)
 from .context import block_spans  # noqa: F401  (re-exported: notebook 12 draws with it)
 from .expert import expert_bytes_per_forward
 
@@ -97,19 +98,6 @@ def plot_cp_explorer(seq_len: int = 4096, cp: int = 4, n_expert: int = 8, top_k:
     axes[2].set_ylabel("MiB per layer, fwd + bwd")
     fig.tight_layout()
     return fig
-
-
-def ring_activation_bytes(b: int, seq_len: int, d_model: int, n_head: int, cp: int, elem: int) -> int:
-    """What ring attention saves for backward on one rank: Q, K, V and O of its T/cp tokens, and the log-sum-exp
-    of each (head, query) row: e·b·(T/cp)·(4d + nh)."""
-    return elem * b * (seq_len // cp) * (4 * d_model + n_head)
-
-
-def allgather_activation_bytes(b: int, seq_len: int, d_model: int, n_head: int, cp: int, elem: int) -> int:
-    """What `allgather_attention` saves on one rank: its Q (T/cp tokens), all T keys and values, the (T/cp) × T
-    probabilities of every head, and the causal mask as bools: e·b·((T/cp)·d + 2·T·d + nh·(T/cp)·T) + (T/cp)·T."""
-    n = seq_len // cp
-    return elem * b * (n * d_model + 2 * seq_len * d_model + n_head * n * seq_len) + n * seq_len
 
 
 __all__ = ["plot_ring_steps", "plot_router_counts", "block_spans", "plot_cp_explorer", "ring_activation_bytes",

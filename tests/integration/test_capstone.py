@@ -57,3 +57,28 @@ def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_
         assert set(ddp["messages"]) == {"dp"} and set(pipe["messages"]) == {"pp"}
     # 1F1B with 2 micro-batches: each stage sends 2 boundary tensors per step (activations forward or gradients back)
     assert [r["jobs"][1]["messages"]["pp"] for r in res] == [2, 2]
+
+
+def test_each_survey_rows_activation_peak_equals_its_closed_form_on_another_model():
+    """The survey's act. peak column (notebook 13 §3) on a model the notebook does not run — 3 layers, d = 48,
+    6 heads, 3 sequences per rank — so the formulas must hold for the shape, not for the toy's numbers: one
+    process, a 3-stage-in-flight pipeline, TP and SP, CP, offload, every recomputation policy, bf16."""
+    from course_lib.capstone import Job
+    from course_lib.capstone_survey import activation_formula, survey_worker
+    from course_lib.dist.launch import launch
+    from course_lib.model import get_config
+    from course_lib.parallel_plan import ParallelPlan as P
+    from course_lib.train import TrainConfig
+    cfg = get_config("nano", n_layer=3, d_model=48, n_head=6, seq_len=16, vocab_size=200)
+    tc = TrainConfig(steps=1, batch_size=6, seed=3, data_seed=3)
+    plans = {"dp": P(dp=2), "gpipe": P(pp=2, microbatches=3, schedule="gpipe"), "1f1b": P(pp=2, microbatches=3),
+             "tp": P(tp=2), "sp": P(tp=2, sequence_parallel=True), "cp": P(cp=2),
+             "offload": P(dp=2, offload_activations=True), "full": P(dp=2, recompute="full"),
+             "selective": P(dp=2, recompute="selective"), "sqrt": P(dp=2, recompute="sqrt"),
+             "bf16": P(dp=2, precision="bf16")}
+    jobs = [Job(name, plan, cfg, tc, "float32") for name, plan in plans.items()]
+    res = launch(survey_worker, 2, jobs, timeout=300)
+    for i, job in enumerate(jobs):
+        for r in (ranks[i] for ranks in res):
+            want, source = activation_formula(job, r["coords"])
+            assert want is not None and r["saved"] == want, (job.name, r["coords"], r["saved"], want, source)

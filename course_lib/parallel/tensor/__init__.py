@@ -19,13 +19,13 @@ from .grid import (COLOSSAL_BANDWIDTH, KINDS, Grid, GridLinear, colossal_bandwid
 from .megatron import (Call, CollectiveLog, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g,
                        g_sp, gbar_sp, layer_bytes, padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
 from .sequence import (LayerActivationProbe, SequenceParallelLayerNorm, SequenceParallelRegion,
-                       layer_activation_bytes, paper_activation_bytes, saving_slice_only)
+                       layer_activation_bytes, paper_activation_bytes, saving_slice_only, tp_activation_bytes)
 
 __all__ = ["apply_tp", "tp_plan", "check_tp", "TensorParallelGPT", "STYLES", "layer_traffic",
            "tp_bytes_per_microbatch", "tp_bytes_per_step", "torch_tp_plan",
            "torch_parallelize_blocks", "f", "g", "g_sp", "gbar_sp", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab", "CollectiveLog", "Call",
            "layer_bytes", "sp_layer_bytes", "SequenceParallelLayerNorm", "SequenceParallelRegion",
-           "saving_slice_only", "layer_activation_bytes", "paper_activation_bytes", "LayerActivationProbe", "Grid",
+           "saving_slice_only", "layer_activation_bytes", "tp_activation_bytes", "paper_activation_bytes", "LayerActivationProbe", "Grid",
            "make_grid", "grid_of", "grid_shape", "GridLinear", "summa", "summa_abt", "summa_atb", "grid_bytes",
            "grid_memory", "colossal_bandwidth", "COLOSSAL_BANDWIDTH", "KINDS"]

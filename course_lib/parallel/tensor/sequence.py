@@ -154,6 +154,30 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequen
     return out
 
 
+def tp_activation_bytes(cfg, batch_size: int, t: int, *, sequence_parallel: bool = False, elem: int = 4) -> int:
+    """Bytes the whole TensorParallelGPT saves for backward on one tp rank in one forward (exact; no dropout,
+    Megatron-LM's regather under SP): every layer's `layer_activation_bytes`, plus
+
+        embedding   8·bs + bs          this rank's int64 ids and the bool mask of ids outside its rows
+                    + 8·s'             the int64 positions of its tokens (s' = s/t under SP, else s)
+        ln_f        2e·bs'h + 2e·bs'   its input and output (the head's input), mean and rstd
+        loss        e·bs·V'/t + 9·bs   the vocab-parallel softmax of this rank's V'/t columns (V' = V padded to a
+                                       multiple of t), the int64 local targets and their bool mask
+
+    — the vocab-parallel head never holds the (b, s, V) logits a single process keeps."""
+    from ...model import get_config
+    from .megatron import padded_vocab
+    c = get_config(cfg)
+    b, s, h = batch_size, c.seq_len, c.d_model
+    s_rep = s // t if sequence_parallel else s                 # tokens of the LayerNorm regions on this rank
+    layers = c.n_layer * layer_activation_bytes(s, b, h, c.n_head, t, sequence_parallel=sequence_parallel,
+                                                elem=elem, mlp_ratio=c.mlp_ratio)["total"]
+    embed = 9 * b * s + 8 * s_rep
+    ln_f = 2 * elem * b * s_rep * h + 2 * elem * b * s_rep
+    loss = elem * b * s * padded_vocab(c.vocab_size, t) // t + 9 * b * s
+    return layers + embed + ln_f + loss
+
+
 class LayerActivationProbe(Probe):
     """Bytes each block adds to the memory accountant's 'activations' during the first forward of `at_step`
     (what that block saves for backward), read around every block `model.blocks_of(model)` finds. Needs a
@@ -195,4 +219,4 @@ class LayerActivationProbe(Probe):
 
 
 __all__ = ["SequenceParallelLayerNorm", "SequenceParallelRegion", "saving_slice_only", "paper_activation_bytes",
-           "layer_activation_bytes", "LayerActivationProbe"]
+           "layer_activation_bytes", "tp_activation_bytes", "LayerActivationProbe"]

@@ -22,10 +22,13 @@ element; P the padded elements of K ZeRO buckets; Ψ_r the elements this rank ho
 Step time on the toy is *modeled* from op costs (`modeled_step`), measured here by `measure_op_costs`: one
 block's and the embedding + head's forward + backward seconds for one micro-batch, in one process. A rank's compute
 per micro-batch is its blocks' and ends' share ÷ tp (× 4/3 when full recomputation reruns the forward), times M,
-times notebook 05's pipeline factor (`step_time.pipeline_factor`); each axis's communication is α per message +
-bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped; and every step
-pays one overhead beyond its forward and backward (AdamW, the batch, the loop), fitted once on the one-process run
-of the same loop (`step_overhead`) and never on the runs it predicts. The stated
+times notebook 05's pipeline factor (`step_time.pipeline_factor`); each axis's communication is a cost per message +
+bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped — the per-message
+cost is what a message costs inside the course's ring collectives (the mean of
+`dist.collectives.ring_message_seconds`, the ring's own work and waits for the slower rank included), not the
+ping-pong's fastest one-way α, which an idle pair of ranks sees; and every step pays one overhead beyond its
+forward and backward (AdamW, the batch, the loop), fitted once on the one-process run of the same loop
+(`step_overhead`) and never on the runs it predicts. The stated
 tolerance is a factor of 2 either way (TOLERANCE, formulas §15.9): the toy's ops last tens of microseconds, where
 Python dispatch and gloo's scheduler-tick latency (several ms when ranks outnumber cores) are of the order of the
 op itself, and TP's split of a 32-wide matmul does not divide its time by t. `measured_vs_modeled` gives the
@@ -191,11 +194,13 @@ def measure_op_costs(cfg, micro_batch_size: int, repeats: int = 5, dtype=torch.f
     return {"block": block, "ends": max(one - block, 0.0), "measured": "here (single process)"}
 
 
-def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = None) -> list[dict]:
+def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = None,
+                 alpha: float | None = None) -> list[dict]:
     """Per rank, the *modeled* step in seconds by part (module docstring): 'compute', 'bubble', 'step overhead'
     (`op_costs['step']`, 0 if absent: what a step costs beyond its forward and backward — the optimizer, the
     batch, the loop; `step_overhead` fits it on one process) and one entry per axis. `messages` ({axis: count per
-    step}, e.g. a ledger's) adds α per message; without it only bytes count."""
+    step}, e.g. a ledger's) adds a cost per message: `alpha` seconds (e.g. the mean of `dist.collectives.
+    ring_message_seconds`, what a message costs inside a collective), or the link's α; without it only bytes count."""
     from ..parallel.pipeline.executor import plan_pipeline
     from .step_time import pipeline_factor
     out = []
@@ -210,7 +215,7 @@ def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = No
         factor = pipeline_factor(plan.schedule, plan.pp, M, plan.chunks) if plan.pp > 1 else 1.0
         t = {"compute": compute, "bubble": compute * (factor - 1), "step overhead": op_costs.get("step", 0.0)}
         for axis, nbytes in r["bytes"].items():
-            t[axis] = nbytes / link.bandwidth + link.alpha * (messages or {}).get(axis, 0)
+            t[axis] = nbytes / link.bandwidth + (link.alpha if alpha is None else alpha) * (messages or {}).get(axis, 0)
         out.append({"coords": r["coords"], "parts": t, "total": sum(t.values())})
     return out
 

@@ -341,3 +341,4 @@ def ping_pong(ctx_or_comm, sizes, repeats: int, *, tag: str = "ping") -> list[fl
             if r:
                 best[m] = min(best[m], (time.perf_counter() - t0) / 2)
     return [best[m] for m in sizes]
+

@@ -33,6 +33,17 @@ def test_modeled_step_composes_stated_op_costs_the_simulator_and_the_formulas_by
     assert not toy.measured_vs_modeled(slowest / 2.1, ranks)["within"]
 
 
+def test_a_measured_cost_per_message_replaces_the_links_alpha_and_leaves_the_bytes_term():
+    plan = ParallelPlan(pp=2, dp=2, microbatches=4)
+    messages = {"pp": 8, "dp": 6}
+    with_link = toy.modeled_step(CFG, plan, TC, COSTS, LINK, messages=messages)
+    with_ring = toy.modeled_step(CFG, plan, TC, COSTS, LINK, messages=messages, alpha=7e-4)
+    for a, b in zip(with_link, with_ring):
+        for axis, n in messages.items():
+            assert b["parts"][axis] - a["parts"][axis] == pytest.approx(n * (7e-4 - LINK.alpha), rel=1e-9)
+        assert b["parts"]["compute"] == a["parts"]["compute"] and b["parts"]["bubble"] == a["parts"]["bubble"]
+
+
 def test_full_recomputation_adds_a_third_of_the_blocks_compute():
     plain = toy.modeled_step(CFG, ParallelPlan(tp=2), TC, COSTS, LINK)[0]["parts"]["compute"]
     full = toy.modeled_step(CFG, ParallelPlan(tp=2, recompute="full"), TC, COSTS, LINK)[0]["parts"]["compute"]

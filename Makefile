@@ -13,6 +13,11 @@ IP   ?= 127.0.0.1
 # pytest workers; loadscope keeps each notebook (and each test module or class) on one worker.
 JOBS ?= 2
 
+# Python stores each module's bytecode at its first import (in .venv and course_lib/), for every later kernel and
+# rank to reuse; a machine that sets PYTHONDONTWRITEBYTECODE would make each of the ~100 kernels and processes of a
+# test run compile torch and course_lib from source again (~4 s each).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install lab test labs run-all book clean help
 
 help:
@@ -29,14 +34,11 @@ install:
 lab: install
 	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"
 
-# compileall first: with PYTHONDONTWRITEBYTECODE set (some machines do), each of the ~100 kernels and processes a
-# run starts would otherwise compile course_lib from source again (~0.3 s each).
 # One BLAS/OpenMP thread per process: the workers already fill the cores, and spinning OpenMP threads on an
 # oversubscribed machine made notebook 00 run 3-4x slower than alone.
 # nbval runs the lectures at their defaults; solutions/ runs under papermill (tests/notebooks/test_papermill.py,
 # with other knobs where they have any), so it is not collected here: that would run each solution twice.
 test: install
-	@$(PY) -m compileall -q -j 0 course_lib tests tools >/dev/null
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) --dist loadscope -p no:cacheprovider -rs --durations=10 \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=300 --timeout=1200 \
 		tests notebooks

@@ -27,6 +27,7 @@ real ring through a `ChunkTracer` to show which chunk moves where at each step.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -233,7 +234,6 @@ def ring_message_seconds(ctx_or_comm, repeats: int, numel: int = 256, *, tag: st
     chunk's copy and reduction in Python). On a shared machine with as many ranks as cores the mean is several times
     the ping-pong's fastest one-way time (its α), with a long tail. A training step pays the mean cost of each of
     its messages (the expectation of their sum), not the fastest: keep every sample."""
-    import time
     comm = getattr(ctx_or_comm, "comm", ctx_or_comm)
     p = comm.world_size
     if p == 1:

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from ..dist.mesh import axis_comm
-from ..model import blocks_of, lm_loss
+from ..model import activation_bytes, blocks_of, get_config, lm_loss
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -347,7 +347,6 @@ def cp_activation_bytes(cfg, batch_size: int, cp: int, elem: int = 4) -> int:
     single-process count (`model.activation_bytes`) at T/cp tokens, with each block's attention core replaced by
     ring attention's — no (T/cp)² probabilities and causal mask, but one log-sum-exp per head and query (its Q, K, V
     and O are the tensors of width d the block already counts)."""
-    from ..model import activation_bytes, get_config
     c = get_config(cfg)
     b, n = batch_size, c.seq_len // cp
     core = elem * b * n * c.n_head * n + n * n                      # what a one-process block keeps: softmax, mask

@@ -305,15 +305,26 @@ def shape_jobs(steps: int = 2, seed: int = 0) -> list:
 def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2097152), rings: int = 100) -> dict:
     """The toy's step, measured for the calculator to model (notebook 13 §3): first this machine's link between
     ranks 0 and 1 (`dist.comm.ping_pong`, the fastest of 5; the notebook fits α + S·β to it) and the seconds per
-    message of `rings` chained ring all-reduces on all ranks (`dist.collectives.ring_message_seconds`: what a
-    message costs inside a collective), then each job trained `steps` steps with nothing attached (no memory
-    tracker, no FLOP counter, no ledger probe), then the ring all-reduces again (the load may change while the jobs
-    run). Per job: this rank's seconds of every step and the messages it sent per step on each mesh axis (the
-    ledger's count ÷ steps)."""
+    message of `rings` ring all-reduces on all ranks (`dist.collectives.ring_message_seconds`: what a message costs
+    inside a collective), back to back ("ring_messages") and each after one block's forward + backward on this
+    rank's share of the first job's batch ("ring_messages_after_compute": as a step's messages follow its compute),
+    then each job trained `steps` steps with nothing attached (no memory tracker, no FLOP counter, no ledger probe),
+    then the ring all-reduces again (the load may change while the jobs run). Per job: this rank's seconds of every
+    step and the messages it sent per step on each mesh axis (the ledger's count ÷ steps)."""
     from .dist.collectives import ring_message_seconds
     from .dist.comm import ping_pong
-    out = {"one_way": ping_pong(ctx, list(ping_sizes), 5), "ring_messages": ring_message_seconds(ctx, rings // 2),
-           "jobs": []}
+    cfg, tc = jobs[0].cfg, jobs[0].tc
+    block = GPT(cfg.replace(n_layer=1), seed=tc.seed).blocks[0]
+    x = torch.randn(max(tc.batch_size // ctx.world_size, 1), cfg.seq_len, cfg.d_model, requires_grad=True)
+
+    def compute():
+        block(x).sum().backward()
+
+    def rings_(n):
+        return {"ring_messages": ring_message_seconds(ctx, n),
+                "ring_messages_after_compute": ring_message_seconds(ctx, n, between=compute)}
+    first = rings_(rings // 2)
+    out = {"one_way": ping_pong(ctx, list(ping_sizes), 5), **first, "jobs": []}
     for job in jobs:
         mesh = Mesh(ctx.comm, pp=job.plan.pp, dp=job.plan.dp, cp=job.plan.cp, tp=job.plan.tp, ep=job.plan.ep)
         with parallelize(GPT(job.cfg, seed=job.tc.seed), mesh, job.plan, train=job.tc) as p:
@@ -323,7 +334,8 @@ def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2
         out["jobs"].append({"seconds": run.step_seconds,
                             "messages": {g: r["messages"] / steps for g, r in sent.items()
                                          if g in GROUPS and r["messages"]}})
-    out["ring_messages"] += ring_message_seconds(ctx, rings - rings // 2)
+    for key, times in rings_(rings - rings // 2).items():
+        out[key] += times
     return out
 
 

@@ -24,15 +24,16 @@ block's and the embedding + head's forward + backward seconds for one micro-batc
 per micro-batch is its blocks' and ends' share ÷ tp (× 4/3 when full recomputation reruns the forward), times M,
 times notebook 05's pipeline factor (`step_time.pipeline_factor`); each axis's communication is a cost per message +
 bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped — the per-message
-cost is what a message costs inside the course's ring collectives (the mean of
-`dist.collectives.ring_message_seconds`, the ring's own work and waits for the slower rank included), not the
-ping-pong's fastest one-way α, which an idle pair of ranks sees; and every step pays one overhead beyond its
+cost is what a message costs inside the course's ring collectives after compute, as a step sends it (the mean of
+`dist.collectives.ring_message_seconds` with a block's forward + backward before each call: the ring's own work,
+the waits for the slower rank and, with as many ranks as cores, the wait for gloo's I/O thread to be scheduled),
+not the ping-pong's fastest one-way α, which an idle pair of ranks sees; and every step pays one overhead beyond its
 forward and backward (AdamW, the batch, the loop), fitted once on the one-process run of the same loop
 (`step_overhead`) and never on the runs it predicts. The stated
 tolerance is a factor of 2 either way (TOLERANCE, formulas §15.9): the toy's ops last tens of microseconds, where
-Python dispatch and gloo's scheduler-tick latency (several ms when ranks outnumber cores) are of the order of the
-op itself, and TP's split of a 32-wide matmul does not divide its time by t. `measured_vs_modeled` gives the
-notebook the comparison; no test asserts on a measured time.
+Python dispatch and a scheduler tick (a few ms) are of the order of the op itself, and TP's split of a 32-wide
+matmul does not divide its time by t. `measured_vs_modeled` gives the notebook the comparison; no test asserts on
+a measured time.
 """
 from __future__ import annotations
 

@@ -223,23 +223,28 @@ def all_reduce_ring(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *
     return tensor
 
 
-def ring_message_seconds(ctx_or_comm, repeats: int, numel: int = 256, *, tag: str = "ring message") -> list[float]:
-    """Seconds per message of each of `repeats` back-to-back ring all-reduces of `numel` float32 on every rank of
-    the group (`all_reduce_ring`, 2(p − 1) messages each: each call's time ÷ its messages), after one dropped call
-    that opens the connections. Call it on every rank (`launch(ring_message_seconds, p, 20)`); one rank alone
-    sends nothing: [].
+def ring_message_seconds(ctx_or_comm, repeats: int, numel: int = 256, *, between=None,
+                         tag: str = "ring message") -> list[float]:
+    """Seconds per message of each of `repeats` ring all-reduces of `numel` float32 on every rank of the group
+    (`all_reduce_ring`, 2(p − 1) messages each: each call's time ÷ its messages), after one dropped call that opens
+    the connections. `between`: a function run, untimed, before each call (e.g. a forward + backward), so the
+    messages follow compute as they do in a training step; without it the calls are back to back. Call it on every
+    rank (`launch(ring_message_seconds, p, 20)`); one rank alone sends nothing: [].
 
     What a message costs inside the course's collectives: each ring step starts only when its neighbours have
     finished the previous one, so it also waits for the slowest rank, and it carries the ring's own work (the
     chunk's copy and reduction in Python). On a shared machine with as many ranks as cores the mean is several times
-    the ping-pong's fastest one-way time (its α), with a long tail. A training step pays the mean cost of each of
-    its messages (the expectation of their sum), not the fastest: keep every sample."""
+    the ping-pong's fastest one-way time (its α), with a long tail — longer still after compute, when each core has
+    just been busy with a rank's main thread and gloo's I/O thread must wait to be scheduled. A training step pays
+    the mean cost of each of its messages (the expectation of their sum), not the fastest: keep every sample."""
     comm = getattr(ctx_or_comm, "comm", ctx_or_comm)
     p = comm.world_size
     if p == 1:
         return []
     x, out = torch.zeros(numel), []
     for i in range(repeats + 1):
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         all_reduce_ring(comm, x, "sum", tag=tag)
         comm.release()

@@ -40,7 +40,7 @@ def test_the_capstone_worker_runs_unchanged_under_torchrun(tmp_path):
 
 def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_step():
     """What notebook 13 §3 models the toy's step from: the ping-pong's one-way times, the seconds per message of
-    chained ring all-reduces, each step's seconds, and the messages per step on each axis — for DDP on 2 ranks,
+    ring all-reduces (back to back, and each after a block's forward + backward), each step's seconds, and the messages per step on each axis — for DDP on 2 ranks,
     the dp all-reduces only."""
     from course_lib.capstone import CONFIG, Job, time_worker
     from course_lib.dist.launch import launch
@@ -53,7 +53,8 @@ def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_
     res = launch(time_worker, 2, jobs, 3, [8, 4096], 6, timeout=120)
     for r in res:
         assert len(r["one_way"]) == 2 and all(t > 0 for t in r["one_way"])
-        assert len(r["ring_messages"]) == 6 and all(t > 0 for t in r["ring_messages"])    # 3 before, 3 after
+        for key in ("ring_messages", "ring_messages_after_compute"):                    # back to back; after compute
+            assert len(r[key]) == 6 and all(t > 0 for t in r[key]), key                   # 3 before, 3 after
         ddp, pipe = r["jobs"]
         assert len(ddp["seconds"]) == len(pipe["seconds"]) == 3 and all(s > 0 for s in ddp["seconds"])
         assert set(ddp["messages"]) == {"dp"} and set(pipe["messages"]) == {"pp"}

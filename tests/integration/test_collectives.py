@@ -395,17 +395,21 @@ def test_ping_pong_sends_every_size_once_per_round_plus_the_dropped_first_and_ti
     assert out[2] == ([], 0, 0), "a third rank takes no part"
 
 
-def _ring_messages(ctx, repeats, numel):
+def _ring_messages(ctx, repeats, numel, between=False):
     from course_lib.dist.collectives import ring_message_seconds
-    t = ring_message_seconds(ctx, repeats, numel)
-    return t, ctx.comm.ledger.bytes_sent(), ctx.comm.ledger.messages()
+    calls = []
+    t = ring_message_seconds(ctx, repeats, numel, between=(lambda: calls.append(ctx.comm.ledger.messages()))
+                             if between else None)
+    return t, ctx.comm.ledger.bytes_sent(), ctx.comm.ledger.messages(), calls
 
 
 def test_ring_message_seconds_times_each_chained_all_reduce_per_message_plus_the_dropped_first():
     """3 ranks, 5 timed ring all-reduces of 30 float32 after one dropped: each call sends 2(p − 1) = 4 messages of
-    a 10-element chunk, and is timed per message."""
+    a 10-element chunk, and is timed per message. `between` runs before every call, the dropped one too."""
     repeats, numel = 5, 30
-    for t, sent, msgs in launch(_ring_messages, 3, repeats, numel, timeout=60):
-        assert len(t) == repeats and all(0 < x < 1 for x in t), t
-        assert msgs == (repeats + 1) * 4 and sent == (repeats + 1) * 4 * 10 * 4
-    assert launch(_ring_messages, 1, repeats, numel, timeout=60)[0] == ([], 0, 0), "one rank has no ring"
+    for between in (False, True):
+        for t, sent, msgs, calls in launch(_ring_messages, 3, repeats, numel, between, timeout=60):
+            assert len(t) == repeats and all(0 < x < 1 for x in t), t
+            assert msgs == (repeats + 1) * 4 and sent == (repeats + 1) * 4 * 10 * 4
+            assert calls == ([4 * i for i in range(repeats + 1)] if between else []), calls
+    assert launch(_ring_messages, 1, repeats, numel, timeout=60)[0] == ([], 0, 0, []), "one rank has no ring"

@@ -320,10 +320,10 @@ def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2
     def compute():
         block(x).sum().backward()
 
-    def rings_(n):
+    def ring_costs(n):
         return {"ring_messages": ring_message_seconds(ctx, n),
                 "ring_messages_after_compute": ring_message_seconds(ctx, n, between=compute)}
-    first = rings_(rings // 2)
+    first = ring_costs(rings // 2)
     out = {"one_way": ping_pong(ctx, list(ping_sizes), 5), **first, "jobs": []}
     for job in jobs:
         mesh = Mesh(ctx.comm, pp=job.plan.pp, dp=job.plan.dp, cp=job.plan.cp, tp=job.plan.tp, ep=job.plan.ep)
@@ -334,7 +334,7 @@ def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2
         out["jobs"].append({"seconds": run.step_seconds,
                             "messages": {g: r["messages"] / steps for g, r in sent.items()
                                          if g in GROUPS and r["messages"]}})
-    for key, times in rings_(rings - rings // 2).items():
+    for key, times in ring_costs(rings - rings // 2).items():
         out[key] += times
     return out
 

@@ -40,8 +40,8 @@ def test_the_capstone_worker_runs_unchanged_under_torchrun(tmp_path):
 
 def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_step():
     """What notebook 13 §3 models the toy's step from: the ping-pong's one-way times, the seconds per message of
-    ring all-reduces (back to back, and each after a block's forward + backward), each step's seconds, and the messages per step on each axis — for DDP on 2 ranks,
-    the dp all-reduces only."""
+    ring all-reduces (back to back, and each after a block's forward + backward), each step's seconds, and the
+    messages per step on each axis — for DDP on 2 ranks, the dp all-reduces only."""
     from course_lib.capstone import CONFIG, Job, time_worker
     from course_lib.dist.launch import launch
     from course_lib.model import get_config

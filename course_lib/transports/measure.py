@@ -146,6 +146,32 @@ class TransportMeasurement:
         """α–β fit of this path's medians (costmodel.fit_alpha_beta, relative weights); a Link of kind 'fitted'."""
         return fit_alpha_beta(self.sizes, self.latency(path), name=path)
 
+    def model_checks(self, path: str) -> dict:
+        """How well t = α + S·β describes `path`, judged inside each repeat against that repeat's own fit, then the
+        median over repeats: 'flat', the median time of the sizes ≤ n½/16 ÷ α (1 + at most 1/16 by the model: those
+        sizes are latency-bound); 'grown', the time of the first size ≥ 16·n½ ÷ α (≥ 17 by the model); 'peak', the
+        highest bandwidth at sizes ≥ 16·n½ ÷ B (≤ 1 by the model). NaN where no repeat has a size in the range.
+
+        Why per repeat: a repeat measures every size within a fraction of a second, so a change of load from another
+        program (this machine's small-message time moves between about 15 and 70 µs with how busy its cores are)
+        hits all of its sizes alike, and a repeat caught mid-change cannot move the median. The medians over repeats
+        (`latency`, `fit`) mix sizes measured seconds apart: one size's median may come from a busy phase and its
+        neighbour's from an idle one."""
+        rows = []
+        for t in self.samples[path]:
+            try:
+                L = fit_alpha_beta(self.sizes, t, name=path)
+            except ValueError:                     # this repeat shows no bandwidth term (β ≤ 0): it judges nothing
+                continue
+            n_half = L.half_bandwidth_size()
+            below, above = self.sizes <= n_half / 16, self.sizes >= 16 * n_half
+            rows.append((float(np.median(t[below])) / L.alpha if below.any() and L.alpha > 0 else math.nan,
+                         float(t[above][0]) / L.alpha if above.any() and L.alpha > 0 else math.nan,
+                         float(np.max(self.sizes[above] / t[above])) / L.bandwidth if above.any() else math.nan))
+        med = [float(np.nanmedian(col)) if rows and not np.all(np.isnan(col)) else math.nan
+               for col in np.array(rows, dtype=float).reshape(-1, 3).T]
+        return dict(zip(("flat", "grown", "peak"), med))
+
     def cpu_rounds(self, path: str, side: str = "both", kind: str = "total") -> np.ndarray:
         """CPU seconds per GB (10⁹ bytes) moved in each round, on one side ('sender', 'receiver') or 'both' added;
         kind is 'user', 'sys' or 'total'."""

@@ -168,9 +168,9 @@ class TransportMeasurement:
             rows.append((float(np.median(t[below])) / L.alpha if below.any() and L.alpha > 0 else math.nan,
                          float(t[above][0]) / L.alpha if above.any() and L.alpha > 0 else math.nan,
                          float(np.max(self.sizes[above] / t[above])) / L.bandwidth if above.any() else math.nan))
-        med = [float(np.nanmedian(col)) if rows and not np.all(np.isnan(col)) else math.nan
-               for col in np.array(rows, dtype=float).reshape(-1, 3).T]
-        return dict(zip(("flat", "grown", "peak"), med))
+        cols = np.array(rows, dtype=float).reshape(-1, 3).T          # one column per check, a row per repeat
+        return {k: float(np.nanmedian(c)) if (~np.isnan(c)).any() else math.nan
+                for k, c in zip(("flat", "grown", "peak"), cols)}
 
     def cpu_rounds(self, path: str, side: str = "both", kind: str = "total") -> np.ndarray:
         """CPU seconds per GB (10⁹ bytes) moved in each round, on one side ('sender', 'receiver') or 'both' added;

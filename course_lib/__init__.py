@@ -11,7 +11,7 @@ show it (`show_source`) and measure it.
     files        the one atomic write (write, fsync, rename, fsync the directory)
     costmodel    alpha-beta link model with sourced presets and a calibration helper ("modeled")
     plots        per-rank timelines, memory by category, traffic bars
-    dist/        launch (real ranks), comm (the traffic ledger), mesh (pp × dp × cp × tp, ep inside dp),
+    distributed/        launch (real ranks), comm (the traffic ledger), mesh (pp × dp × cp × tp, ep inside dp),
                  collectives, all-to-all, flat buffers
     parallel/    dp (DDP), zero (ZeRO-1/2), fsdp (ZeRO-3), pipeline, tensor, context (ring attention), expert (EP)
     memopt/      memory-saving techniques (offload, recomputation, precision, quantization)
@@ -31,7 +31,7 @@ Layers, bottom to top — a module imports only its own layer and those below (t
 import, function-local ones too):
 
     foundation   model, moe, data, memory, files, costmodel, plots (and this package)
-    dist         dist/ (and run, the torchrun entry)
+    distributed  distributed/ (and run, the torchrun entry)
     train        train
     techniques   parallel/, memopt/, optim/, transports/, fits
     systems      resilience/, io/

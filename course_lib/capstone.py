@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dist.mesh import Mesh
+from .distributed.mesh import Mesh
 from .memopt.recompute_plan import activation_peak
 from .model import GPT, GPTConfig, get_config
 from .parallel_plan import ParallelPlan
@@ -77,7 +77,7 @@ def reference_run(job: Job) -> tuple:
     from .parallel.expert import set_moe_groups
     from .train import train_reference
     if job.plan.precision is not None:
-        from .dist.launch import launch
+        from .distributed.launch import launch
         return launch(_single_worker, 1, job, timeout=120)[0]
     with _default_dtype(DTYPES[job.dtype]):
         model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
@@ -106,7 +106,7 @@ def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
     outside the ledger — and in backward the dispatch and combine rows once more. dp and edp: one ring all-reduce per
     parameter, replicated ones over dp, expert ones over edp (`reduce_expert_parallel_grads`)."""
     import torch.distributed as dist
-    from .dist.collective_bytes import ring_all_reduce_bytes
+    from .distributed.collective_bytes import ring_all_reduce_bytes
     from .parallel.expert import ExpertParallelMoE, expert_bytes_per_forward, is_expert_param
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     mine = [rows for m in layers for rows in m.sent_rows]                   # (layer, forward) -> rows per ep rank
@@ -304,15 +304,15 @@ def shape_jobs(steps: int = 2, seed: int = 0) -> list:
 
 def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2097152), rings: int = 100) -> dict:
     """The toy's step, measured for the calculator to model (notebook 13 §3): first this machine's link between
-    ranks 0 and 1 (`dist.comm.ping_pong`, the fastest of 5; the notebook fits α + S·β to it) and the seconds per
-    message of `rings` ring all-reduces on all ranks (`dist.collectives.ring_message_seconds`: what a message costs
+    ranks 0 and 1 (`distributed.comm.ping_pong`, the fastest of 5; the notebook fits α + S·β to it) and the seconds per
+    message of `rings` ring all-reduces on all ranks (`distributed.collectives.ring_message_seconds`: what a message costs
     inside a collective), back to back ("ring_messages") and each after one block's forward + backward on this
     rank's share of the first job's batch ("ring_messages_after_compute": as a step's messages follow its compute),
     then each job trained `steps` steps with nothing attached (no memory tracker, no FLOP counter, no ledger probe),
     then the ring all-reduces again (the load may change while the jobs run). Per job: this rank's seconds of every
     step and the messages it sent per step on each mesh axis (the ledger's count ÷ steps)."""
-    from .dist.collectives import ring_message_seconds
-    from .dist.comm import ping_pong
+    from .distributed.collectives import ring_message_seconds
+    from .distributed.comm import ping_pong
     cfg, tc = jobs[0].cfg, jobs[0].tc
     block = GPT(cfg.replace(n_layer=1), seed=tc.seed).blocks[0]
     x = torch.randn(max(tc.batch_size // ctx.world_size, 1), cfg.seq_len, cfg.d_model, requires_grad=True)

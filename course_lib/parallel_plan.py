@@ -7,7 +7,7 @@ step — and `check`, which says before any rank starts whether the combination 
 
 The fields, and the notebook that builds each technique:
 
-    dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.dist.mesh`)     03, 06, 05
+    dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.distributed.mesh`)     03, 06, 05
     cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
                         'contiguous'); gradients reduced over dp × cp; composes with pp (each stage's
                         ring over the cp peers holding it), not yet with tp                            12

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dist.mesh import Mesh
+from .distributed.mesh import Mesh
 from .parallel_plan import ParallelPlan, PlanError
 
 ORDER = (
@@ -114,7 +114,7 @@ def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None, data_paral
     from .train import TrainConfig
     tc = train or TrainConfig()
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"parallelize needs a course_lib.dist.mesh.Mesh, got {type(mesh).__name__}; build one with "
+        raise TypeError(f"parallelize needs a course_lib.distributed.mesh.Mesh, got {type(mesh).__name__}; build one with "
                         f"Mesh(ctx.comm, pp=…, dp=…, tp=…)")
     cfg = model.config if config is None else config
     if config is not None and plan.world_size != plan.dp:
@@ -137,7 +137,7 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), a
     comm)` reducing the gradients (a wrapper, or a (model, optimizer) pair; None: the plan's bucketed DDP), each
     rank's share of every global batch of `tc.batch_size` sequences in `accum_steps` micro-steps, `tc.steps` steps
     of `train.run`. Returns (train.Run, the wrapped model); compare with `train.train_reference(cfg, tc)`."""
-    from .dist.mesh import axis_comm
+    from .distributed.mesh import axis_comm
     from .model import GPT
     comm = axis_comm(mesh_or_comm, "dp")
     mesh = mesh_or_comm if isinstance(mesh_or_comm, Mesh) else Mesh(comm, dp=comm.world_size)

@@ -23,7 +23,7 @@ def _ax(ax, figsize=(9, 3)):
 def plot_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", labels: bool = False, t0: float | None = None):
     """Gantt rows, one per rank: computation on the upper lane, communication on the lower lane, so overlap shows.
 
-    `ledgers`: a list of `course_lib.dist.comm.Ledger` (what the ranks returned). Gaps are idle time.
+    `ledgers`: a list of `course_lib.distributed.comm.Ledger` (what the ranks returned). Gaps are idle time.
     """
     ax = _ax(ax, (10, 0.6 + 0.7 * len(ledgers)))
     events = [e for L in ledgers for e in L.events]

@@ -12,7 +12,7 @@ ROOT = Path(course_lib.__file__).parent
 # (`course_lib.parallel.zero` is in "techniques"); the package itself (`course_lib/__init__.py`) is a foundation.
 LAYERS = (
     ("foundation", {"", "_env", "files", "memory", "model", "moe", "data", "costmodel", "plots"}),
-    ("dist", {"dist", "run"}),
+    ("distributed", {"distributed", "run"}),
     ("train", {"train"}),
     ("techniques", {"parallel", "memopt", "optim", "transports", "fits"}),
     ("systems", {"resilience", "io"}),
@@ -125,5 +125,5 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     """The reader counts a function-local import (the kind that hid compose's circle), resolved to its module."""
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from ..parallel.zero import apply_zero\n")
-    known = {"course_lib.parallel.zero", "course_lib.parallel", "course_lib.dist.m"}
-    assert _imports("course_lib.dist.m", src, False, known) == {"course_lib.parallel.zero"}
+    known = {"course_lib.parallel.zero", "course_lib.parallel", "course_lib.distributed.m"}
+    assert _imports("course_lib.distributed.m", src, False, known) == {"course_lib.parallel.zero"}

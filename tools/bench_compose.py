@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallelize import ParallelPlan, parallelize
 from course_lib.train import TrainConfig

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from course_lib.dist.launch import launch
+    from course_lib.distributed.launch import launch
     from course_lib.model import get_config, param_count
     from course_lib.parallel import dp as D
     from course_lib.train import TrainConfig, make_optimizer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.model import get_config, param_count
 from course_lib.parallel.compose import STAGE_NAMES, apply_zero
 from course_lib.parallelize import train_parallel

@@ -25,7 +25,7 @@ per micro-batch is its blocks' and ends' share ÷ tp (× 4/3 when full recomputa
 times notebook 05's pipeline factor (`step_time.pipeline_factor`); each axis's communication is a cost per message +
 bytes / bandwidth on a link fitted on this machine (`costmodel.fit_alpha_beta`), not overlapped — the per-message
 cost is what a message costs inside the course's ring collectives after compute, as a step sends it (the mean of
-`dist.collectives.ring_message_seconds` with a block's forward + backward before each call: the ring's own work,
+`distributed.collectives.ring_message_seconds` with a block's forward + backward before each call: the ring's own work,
 the waits for the slower rank and, with as many ranks as cores, the wait for gloo's I/O thread to be scheduled),
 not the ping-pong's fastest one-way α, which an idle pair of ranks sees; and every step pays one overhead beyond its
 forward and backward (AdamW, the batch, the loop), fitted once on the one-process run of the same loop
@@ -41,8 +41,8 @@ from collections import deque
 
 import torch
 
-from ..dist.comm import Communicator, Ledger
-from ..dist.mesh import AXES
+from ..distributed.comm import Communicator, Ledger
+from ..distributed.mesh import AXES
 
 TOLERANCE = 2.0          # measured / modeled step time within [1/2, 2] (module docstring)
 
@@ -73,7 +73,7 @@ class _LayoutOptimizer:
 
 
 def coords_of(plan, rank: int) -> dict:
-    """The mesh coordinates of world rank `rank` (pp outermost, tp innermost: `dist.mesh`)."""
+    """The mesh coordinates of world rank `rank` (pp outermost, tp innermost: `distributed.mesh`)."""
     out = {}
     for axis in reversed(AXES):
         rank, out[axis] = divmod(rank, getattr(plan, axis))
@@ -200,7 +200,7 @@ def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = No
     """Per rank, the *modeled* step in seconds by part (module docstring): 'compute', 'bubble', 'step overhead'
     (`op_costs['step']`, 0 if absent: what a step costs beyond its forward and backward — the optimizer, the
     batch, the loop; `step_overhead` fits it on one process) and one entry per axis. `messages` ({axis: count per
-    step}, e.g. a ledger's) adds a cost per message: `alpha` seconds (e.g. the mean of `dist.collectives.
+    step}, e.g. a ledger's) adds a cost per message: `alpha` seconds (e.g. the mean of `distributed.collectives.
     ring_message_seconds`, what a message costs inside a collective), or the link's α; without it only bytes count."""
     from ..parallel.pipeline.executor import plan_pipeline
     from .step_time import pipeline_factor

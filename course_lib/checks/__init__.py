@@ -81,7 +81,7 @@ NOT_IMPLEMENTED = "__not_implemented__"   # what a rank returns when the learner
 def run_ranks(c: _Check, worker, world_size: int, *args, timeout: float = 60, hang_hint: str = ""):
     """launch(worker, world_size, *args) for a check: a hang or a crash on any rank becomes one readable
     CheckFailed line; a rank that returned NOT_IMPLEMENTED turns into 'not implemented yet'."""
-    from ..dist.launch import LaunchError, LaunchTimeout, launch
+    from ..distributed.launch import LaunchError, LaunchTimeout, launch
     try:
         results = launch(worker, world_size, *args, timeout=timeout)
     except LaunchTimeout:

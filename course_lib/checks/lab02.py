@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel
-from ..dist import collectives
-from ..dist.collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ..dist.mesh import Mesh
+from ..distributed import collectives
+from ..distributed.collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ..distributed.mesh import Mesh
 from . import NOT_IMPLEMENTED, check, run_ranks
 
 CLUSTERS = ((2, 2), (3, 2))                 # (nodes, gpus_per_node) run on real ranks
@@ -122,7 +122,7 @@ def check_cluster_mesh(cluster_mesh) -> None:
             p = nodes * gpn
             for r, res in enumerate(_run(c, _mesh_worker, p, cluster_mesh, gpn)):
                 c.expect(res["type"] == "Mesh", f"{nodes}×{gpn}: cluster_mesh returned a {res['type']}, not a Mesh",
-                         hint="return course_lib.dist.mesh.Mesh(comm, …): it builds every group for you")
+                         hint="return course_lib.distributed.mesh.Mesh(comm, …): it builds every group for you")
                 node, local = divmod(r, gpn)
                 want_tp, want_dp = list(range(node * gpn, (node + 1) * gpn)), list(range(local, p, gpn))
                 c.expect(res["sizes"]["pp"] == 1, f"{nodes}×{gpn}: your mesh has pp = {res['sizes']['pp']}",

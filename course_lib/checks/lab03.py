@@ -24,7 +24,7 @@ import torch
 from ..data import ShardedBatches
 from ..model import GPT, get_config
 from ..parallel import dp as D
-from ..dist.mesh import data_parallel_batches
+from ..distributed.mesh import data_parallel_batches
 from ..train import GradProbe, Probe, TrainConfig, make_optimizer, run, train_reference
 from . import NOT_IMPLEMENTED, check, run_ranks
 

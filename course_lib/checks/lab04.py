@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_scatter_bytes
-from ..dist.launch import LaunchError, launch
+from ..distributed.collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_scatter_bytes
+from ..distributed.launch import LaunchError, launch
 from ..memory import untracked
 from ..model import GPT, get_config
-from ..dist.mesh import data_parallel_batches
+from ..distributed.mesh import data_parallel_batches
 from ..train import MemoryProbe, Probe, TrainConfig, make_optimizer, run
 from ..data import ShardedBatches
 from . import check

@@ -114,7 +114,7 @@ def check_bubble(one_f_one_b) -> None:
 
 
 def _trains(ctx, one_f_one_b, M):
-    from ..dist.mesh import Mesh
+    from ..distributed.mesh import Mesh
     from ..train import GradProbe, TrainConfig
     mesh = Mesh(ctx.comm, pp=ctx.world_size)
     tc = TrainConfig(steps=1, batch_size=2 * M)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..dist.collectives import ring_all_reduce_bytes
+from ..distributed.collectives import ring_all_reduce_bytes
 from ..parallel.tensor.megatron import ColumnParallelLinear
 from . import NOT_IMPLEMENTED, check, run_ranks
 

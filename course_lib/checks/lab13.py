@@ -118,7 +118,7 @@ def check_toy_plan(toy_plan, jobs=None) -> None:
 def _toy_worker(ctx, plan, batch, reference, seed):
     import torch
 
-    from ..dist.mesh import Mesh
+    from ..distributed.mesh import Mesh
     from ..model import GPT, get_config
     from ..parallelize import parallelize
     from ..train import TrainConfig

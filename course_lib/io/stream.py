@@ -71,13 +71,13 @@ def epoch_order(index: ShardIndex, epoch: int, *, seed: int, dp_rank: int, dp_si
 
 def dp_coordinates(dp) -> tuple[int, int]:
     """(dp_rank, dp_size) from a Mesh (its dp axis) or a Communicator (its rank and size)."""
-    from ..dist.comm import Communicator
-    from ..dist.mesh import Mesh
+    from ..distributed.comm import Communicator
+    from ..distributed.mesh import Mesh
     if isinstance(dp, Mesh):
         return dp.dp_rank, dp.size("dp")
     if isinstance(dp, Communicator):
         return dp.rank, dp.world_size
-    raise TypeError(f"dp must be a course_lib.dist.mesh.Mesh or a Communicator (ctx.comm), got {type(dp).__name__}")
+    raise TypeError(f"dp must be a course_lib.distributed.mesh.Mesh or a Communicator (ctx.comm), got {type(dp).__name__}")
 
 
 class StreamingBatches:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ..distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ..memory import MemoryTracker, fmt_bytes
 from ..model import GPT, block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes
 from ..train import MemoryProbe, Probe

@@ -1,4 +1,4 @@
-"""Parallel training techniques, each built on `course_lib.dist` (mesh, ledger, collectives, flat buffers).
+"""Parallel training techniques, each built on `course_lib.distributed` (mesh, ledger, collectives, flat buffers).
 
     dp       data parallelism (DDP): naive, bucketed and overlapped gradient all-reduce
     zero     ZeRO-1/2: a sharded optimizer around any torch.optim class
@@ -7,7 +7,7 @@
     tensor   Megatron 1D, sequence parallelism, 2D / 2.5D / 3D grids (notebook 06)
     compose  apply_<technique>(model, mesh, ...) and the order in which techniques compose
 """
-from ..dist.launch import preload_in_ranks
+from ..distributed.launch import preload_in_ranks
 
 # ranks import the techniques inside their workers: warm them in the caller once, so forked ranks inherit them
 preload_in_ranks("course_lib.parallel.compose")

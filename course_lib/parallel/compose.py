@@ -14,7 +14,7 @@ dp). Each technique lives in its own file and imports nothing from here; this mo
 """
 from __future__ import annotations
 
-from ..dist.mesh import axis_comm, data_parallel_batches  # noqa: F401  (re-exported: notebooks import them here)
+from ..distributed.mesh import axis_comm, data_parallel_batches  # noqa: F401  (re-exported: notebooks import them here)
 from ..memopt.precision import apply_precision  # noqa: F401  step 4 (notebook 09), re-exported for the capstone
 from ..memopt.recompute import apply_recompute  # noqa: F401  step 3 (notebook 08), re-exported for the capstone
 from .dp import DP_KINDS, apply_dp  # noqa: F401  5. data parallelism over dp (notebook 03)

@@ -41,7 +41,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..dist.mesh import axis_comm
+from ..distributed.mesh import axis_comm
 from ..model import activation_bytes, blocks_of, get_config, lm_loss
 
 LAYOUTS = ("contiguous", "zigzag")

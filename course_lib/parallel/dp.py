@@ -16,7 +16,7 @@ Three wrappers for ANY `nn.Module`, naive beside optimized (picotron's `DataPara
 Every wrapper broadcasts parameters and buffers from rank 0 when it wraps (so ranks start identical), skips frozen
 parameters, reduces a tied weight once (`module.parameters()` yields it once, and autograd sums both uses into one
 `.grad` before its hook fires), keeps the model at `.module`, and offers `no_sync()`. Buckets are flat buffers
-(`course_lib.dist.flat`, one bucketing rule for the whole course); after a synchronized step every `.grad` is a view
+(`course_lib.distributed.flat`, one bucketing rule for the whole course); after a synchronized step every `.grad` is a view
 into its bucket, as with PyTorch DDP's `gradient_as_bucket_view=True`, so the buckets ARE the gradients' memory.
 
 Checked against (docs/formulas.md §1, §2): with the ring all-reduce, the gradient bytes one rank sends per step are
@@ -40,11 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn as nn
 
-from ..dist import collectives
-from ..dist.collectives import chunk_sizes
-from ..dist.comm import Communicator
-from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params
-from ..dist.mesh import axis_comm
+from ..distributed import collectives
+from ..distributed.collectives import chunk_sizes
+from ..distributed.comm import Communicator
+from ..distributed.flat import FlatBuffer, broadcast_tensors, bucket_params
+from ..distributed.mesh import axis_comm
 from ..memory import alloc_category, carry_tracking
 
 GRAD_TAG = "ddp_grad"            # ledger tag of the per-step gradient all-reduces
@@ -138,7 +138,7 @@ class DataParallelNaive(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"data parallelism wraps an nn.Module, got {type(module).__name__}")
         if not isinstance(comm, Communicator):
-            raise TypeError(f"comm must be a course_lib.dist.comm.Communicator (ctx.comm inside launch), got "
+            raise TypeError(f"comm must be a course_lib.distributed.comm.Communicator (ctx.comm inside launch), got "
                             f"{type(comm).__name__}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; use one of {ALGORITHMS}")

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..dist import collectives
-from ..dist.all_to_all import AllToAll, all_to_all, exchange_sizes
-from ..dist.mesh import Mesh, axis_comm
+from ..distributed import collectives
+from ..distributed.all_to_all import AllToAll, all_to_all, exchange_sizes
+from ..distributed.mesh import Mesh, axis_comm
 from ..moe import MoE, route
 
 

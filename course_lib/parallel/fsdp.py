@@ -48,9 +48,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ..dist.flat import broadcast_tensors
-from ..dist.mesh import axis_comm
+from ..distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ..distributed.flat import broadcast_tensors
+from ..distributed.mesh import axis_comm
 from ..memory import saved_tensors_hooks_over
 from .fsdp_replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
 from .fsdp_replicate import norms_and_biases  # noqa: F401  (re-exported: `FSDP(..., replicate=norms_and_biases)`)

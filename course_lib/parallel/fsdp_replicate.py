@@ -9,7 +9,7 @@ optimizer all-reduces what it does not shard. Here a replicated group lives besi
     forward    the module's own parameters are used as they are (cast to the compute dtype if one is set);
                nothing moves
     backward   the unit's replicated gradients, laid end to end in one flat buffer, are averaged by the course's
-               ring all-reduce (`dist.collectives.all_reduce_ring`, tag "fsdp_ar"); every rank gets the same bits
+               ring all-reduce (`distributed.collectives.all_reduce_ring`, tag "fsdp_ar"); every rank gets the same bits
     step       every rank's optimizer steps the whole replicated parameters with the same gradients and the same
                state: they stay bitwise identical without any further communication
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import all_reduce_ring
-from ..dist.flat import FlatBuffer
+from ..distributed.collectives import all_reduce_ring
+from ..distributed.flat import FlatBuffer
 from ..memory import alloc_category
 from .fsdp_shard import Placed
 

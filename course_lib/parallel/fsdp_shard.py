@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import reduce_scatter_ring
-from ..dist.comm import wait_all
-from ..dist.flat import FlatBuffer
+from ..distributed.collectives import reduce_scatter_ring
+from ..distributed.comm import wait_all
+from ..distributed.flat import FlatBuffer
 from ..memory import alloc_category
 
 

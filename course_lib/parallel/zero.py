@@ -5,7 +5,7 @@ Rajbhandari, Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training Tr
 are sharded too, is `course_lib.parallel.fsdp`; `course_lib.parallel.compose.apply_zero` builds any of them.
 
 Every rank holds the whole model. The trainable parameters are laid end to end in flat buckets (the course's one
-bucketing rule, `course_lib.dist.flat`); each bucket is padded with zeros to a multiple of N = world_size and cut
+bucketing rule, `course_lib.distributed.flat`); each bucket is padded with zeros to a multiple of N = world_size and cut
 into N equal shards. Rank r owns shard r of every bucket: only rank r keeps optimizer state for it and updates it.
 
     bucket (padded to a multiple of N):  | shard 0 | shard 1 | shard 2 | shard 3 |
@@ -40,10 +40,10 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import (all_gather_ring, reduce_scatter_ring, ring_all_gather_bytes,
+from ..distributed.collectives import (all_gather_ring, reduce_scatter_ring, ring_all_gather_bytes,
                                 ring_reduce_scatter_bytes)
-from ..dist.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
-from ..dist.mesh import axis_comm
+from ..distributed.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
+from ..distributed.mesh import axis_comm
 from ..memory import alloc_category
 from ..optim.master import kept_master, set_master
 from .dp import DataParallelBucket

@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from ..dist.comm import Communicator
+from ..distributed.comm import Communicator
 
 
 class PeerLost(RuntimeError):

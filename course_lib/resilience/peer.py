@@ -32,7 +32,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ..dist.launch import LaunchError, LaunchTimeout, launch
+from ..distributed.launch import LaunchError, LaunchTimeout, launch
 from ..files import atomic_write
 from ..memory import now
 from ..train import Probe
@@ -221,7 +221,7 @@ def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: i
     SIGKILLed in that step's backward (`note`: a file that receives the time of death). Returns this rank's final
     state pieces, the step it started from, where its state came from, and timings (perf_counter)."""
     from ..model import GPT
-    from ..dist.mesh import data_parallel_batches
+    from ..distributed.mesh import data_parallel_batches
     from ..parallel.zero import apply_zero
     from ..train import optimizer_kwargs, run
     from .checkpoint import CheckpointError

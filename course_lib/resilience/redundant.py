@@ -19,7 +19,7 @@ implementation is DeepSpeed's pipeline engine with `redundancy_level=1` (uclasys
 What this module chooses, each said once:
   * **successor only, no wrap-around.** Bamboo arranges the stages in a ring — the last stage keeps a replica of
     stage 0 (`get_redundant_stage_ids`: (i + 1) mod S). Here rank 0 also serves the job's rendezvous store, whose
-    loss ends the job whatever was replicated (`dist.launch`), so the last stage has no successor and runs no
+    loss ends the job whatever was replicated (`distributed.launch`), so the last stage has no successor and runs no
     redundant forward, and rank 0's death is not survived.
   * **the replica follows by the same update, not by copies.** After its schedule each stage sends its gradients
     (4·ψ_k bytes) to its predecessor, which applies the same AdamW update to its replica — the same arithmetic on
@@ -48,7 +48,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..dist.comm import Communicator, Ledger
+from ..distributed.comm import Communicator, Ledger
 from ..memory import now
 from ..model import GPT, get_config
 from ..parallel.pipeline.executor import Pipeline, plan_pipeline

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..data import ShardedBatches
 from ..model import GPT, get_config
-from ..dist.mesh import data_parallel_batches
+from ..distributed.mesh import data_parallel_batches
 from ..parallel.zero import apply_zero
 from ..train import TrainConfig, make_optimizer, optimizer_kwargs, run
 from .async_ckpt import CheckpointProbe
@@ -135,7 +135,7 @@ def _forked(target, *args, stdout=None, stderr=None):
 
 
 def _child(target, args, stdout, stderr):
-    from ..dist.launch import _die_with_parent
+    from ..distributed.launch import _die_with_parent
     os.setpgid(0, 0)
     _die_with_parent()
     import torch

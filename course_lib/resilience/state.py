@@ -156,7 +156,7 @@ def training_state(model, optimizer, *, template: dict | None = None) -> Trainin
 
 def _all_gather_buckets(optimizer) -> None:
     """ZeRO-1/2 after loading: each rank filled its shard of every bucket; the all-gather fills the rest."""
-    from ..dist.collectives import all_gather_ring
+    from ..distributed.collectives import all_gather_ring
     for b in optimizer.buckets:
         all_gather_ring(optimizer.comm, b.shard.detach(), b.padded, tag="ckpt_load", out=b.flat)
 

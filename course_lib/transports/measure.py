@@ -291,7 +291,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
 def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int = 1, cpu_bytes: int | None = None,
                        cpu_messages: int | None = None, cpu_rounds: int = 9, verify: bool = False, seed: int = 0,
                        timeout: float = DEFAULT_TIMEOUT, fault: str | None = None) -> TransportMeasurement:
-    """Measure every path between two real processes (ranks of `course_lib.dist.launch.launch`); see the module
+    """Measure every path between two real processes (ranks of `course_lib.distributed.launch.launch`); see the module
     docstring.
 
     sizes: message sizes in bytes (default `message_sizes()`, 8 B … 16 MiB). CPU time is measured in `cpu_rounds`
@@ -305,7 +305,7 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
     them (the shared buffer is "registered" before any message, like RDMA memory registration) and this function
     closes them whatever happens; `launch` kills both ranks on error or timeout.
     """
-    from ..dist.launch import launch
+    from ..distributed.launch import launch
 
     sizes = [int(s) for s in (sizes if sizes is not None else message_sizes())]
     paths = tuple(paths)

@@ -156,7 +156,7 @@ def measure_staged_send(send_fns: dict, nbytes: int = 32 * MiB, chunk_bytes: int
     receiver's ack (all bytes there), and the byte comparison happens outside it. Functions defined in a notebook
     cell work (ranks are forked).
     """
-    from ..dist.launch import launch
+    from ..distributed.launch import launch
     if nbytes < 1 or chunk_bytes < 1 or slots < 1 or repeats < 1 or staging_ratio <= 0:
         raise ValueError("need nbytes >= 1, chunk_bytes >= 1, slots >= 1, repeats >= 1, staging_ratio > 0")
     if staging_bandwidth is not None and staging_bandwidth <= 0:

@@ -3,7 +3,7 @@ import torch
 
 
 def ring_sum(ctx, n="8"):
-    from course_lib.dist import collectives
+    from course_lib.distributed import collectives
     t = torch.full((int(n),), float(ctx.rank + 1))
     collectives.all_reduce_ring(ctx.comm, t)
     return {"rank": ctx.rank, "world_size": ctx.world_size, "sum": t[0].item(),

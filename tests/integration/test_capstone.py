@@ -43,7 +43,7 @@ def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_
     ring all-reduces (back to back, and each after a block's forward + backward), each step's seconds, and the
     messages per step on each axis — for DDP on 2 ranks, the dp all-reduces only."""
     from course_lib.capstone import CONFIG, Job, time_worker
-    from course_lib.dist.launch import launch
+    from course_lib.distributed.launch import launch
     from course_lib.model import get_config
     from course_lib.parallel_plan import ParallelPlan
     from course_lib.train import TrainConfig
@@ -68,7 +68,7 @@ def test_each_survey_rows_activation_peak_equals_its_closed_form_on_another_mode
     process, a 3-stage-in-flight pipeline, TP and SP, CP, offload, every recomputation policy, bf16."""
     from course_lib.capstone import Job
     from course_lib.capstone_survey import activation_formula, survey_worker
-    from course_lib.dist.launch import launch
+    from course_lib.distributed.launch import launch
     from course_lib.model import get_config
     from course_lib.parallel_plan import ParallelPlan as P
     from course_lib.train import TrainConfig

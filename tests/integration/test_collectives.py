@@ -1,4 +1,4 @@
-"""course_lib.dist.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives, and every
+"""course_lib.distributed.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives, and every
 rank's ledger bytes against the exact closed forms (docs/formulas.md §1); and Lab 02's checks, which must name the
 real cause of plausible wrong answers.
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.dist import collectives as C
-from course_lib.dist.launch import launch
+from course_lib.distributed import collectives as C
+from course_lib.distributed.launch import launch
 
 pytestmark = pytest.mark.integration
 
@@ -290,7 +290,7 @@ def _hierarchical(inside: str = "tp", across: str = "dp"):
 
 def _lab02_solution():
     """The reference answers of Lab 02's first two exercises (the solution notebook's code)."""
-    from course_lib.dist.mesh import Mesh
+    from course_lib.distributed.mesh import Mesh
     return (lambda comm, gpus_per_node: Mesh(comm, tp=gpus_per_node)), _hierarchical()
 
 
@@ -325,7 +325,7 @@ def test_lab02_checks_pass_the_reference_answers(lab02_on_3x2, capsys):
 
 
 def test_lab02_mesh_with_swapped_axes_gets_the_innermost_axis_hint(lab02_on_3x2):
-    from course_lib.dist.mesh import Mesh
+    from course_lib.distributed.mesh import Mesh
     message = _fails_with(lab02_on_3x2.check_cluster_mesh, lambda comm, L: Mesh(comm, tp=comm.world_size // L))
     assert "swapped" in message and "innermost" in message, message
 
@@ -380,7 +380,7 @@ def test_lab02_axis_bytes_from_the_even_split_formula_is_told_chunks_differ(lab0
 
 
 def _ping(ctx, sizes, repeats):
-    from course_lib.dist.comm import ping_pong
+    from course_lib.distributed.comm import ping_pong
     t = ping_pong(ctx, sizes, repeats)
     return t, ctx.comm.ledger.bytes_sent(), ctx.comm.ledger.messages()
 
@@ -396,7 +396,7 @@ def test_ping_pong_sends_every_size_once_per_round_plus_the_dropped_first_and_ti
 
 
 def _ring_messages(ctx, repeats, numel, between=False):
-    from course_lib.dist.collectives import ring_message_seconds
+    from course_lib.distributed.collectives import ring_message_seconds
     calls = []
     t = ring_message_seconds(ctx, repeats, numel, between=(lambda: calls.append(ctx.comm.ledger.messages()))
                              if between else None)

@@ -4,8 +4,8 @@ import pickle
 import pytest
 import torch
 
-from course_lib.dist.comm import Communicator, Ledger
-from course_lib.dist.launch import LaunchError, launch
+from course_lib.distributed.comm import Communicator, Ledger
+from course_lib.distributed.launch import LaunchError, launch
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +104,7 @@ def test_communicator_outside_ranks_is_a_clear_error():
 
 
 def test_ledger_prefix_tags_and_reset():
-    from course_lib.dist.comm import Event
+    from course_lib.distributed.comm import Event
     L = Ledger(0, 2)
     L.record(Event("send", "send", "bucket0", 0.0, 1.0, sent=10, peer=1))
     L.record(Event("send", "send", "bucket1", 1.0, 2.0, sent=5, peer=1))
@@ -117,7 +117,7 @@ def test_ledger_prefix_tags_and_reset():
 def test_the_ledgers_running_totals_equal_the_sum_of_its_events():
     """bytes_sent(group=…) reads running totals (probes call it after every phase); they must stay the events' sum
     through record, reset and a ledger built from a slice of another's events."""
-    from course_lib.dist.comm import Event, Ledger
+    from course_lib.distributed.comm import Event, Ledger
     events = [Event("send", "send", "t", 0.0, 1.0, sent=s, group=g) for s, g in
               ((8, "dp"), (0, "dp"), (16, "tp"), (4, "dp"), (32, "world"))]
     led = Ledger(0, 2)

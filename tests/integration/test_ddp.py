@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.model import GPT, get_config
 from course_lib.parallel import dp as D
 from course_lib.parallel.compose import data_parallel_batches

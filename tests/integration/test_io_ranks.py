@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from course_lib.data import load_tokens
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.io import cache as K
 from course_lib.io import shards as H
 from course_lib.io import store as S

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.dist.launch import LaunchError, LaunchTimeout, RankDied, launch
+from course_lib.distributed.launch import LaunchError, LaunchTimeout, RankDied, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -126,7 +126,7 @@ def _killed_or_waits(ctx, raise_too=False):
 
 
 def test_allow_deaths_lets_the_others_finish_and_names_the_dead(no_leaks, monkeypatch):
-    monkeypatch.setattr("course_lib.dist.launch._GRACE_AFTER_ERROR", 0.2)
+    monkeypatch.setattr("course_lib.distributed.launch._GRACE_AFTER_ERROR", 0.2)
     assert launch(_killed_or_waits, 3, timeout=30, allow_deaths=True) == [0, RankDied(1, -signal.SIGKILL), 2]
     with pytest.raises(LaunchError, match="rank 1 exited with code -9"):
         launch(_killed_or_waits, 2, timeout=30)
@@ -151,7 +151,7 @@ if {restore_sigint!r}:
     # inherit that: Ctrl-C / Jupyter's interrupt would do nothing. Python installs its handler only when SIGINT
     # is not ignored at start-up, so put it back explicitly, as an interactive caller has it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 def sleeper(ctx):
     print("PID", os.getpid(), flush=True)
     time.sleep(3600)
@@ -295,10 +295,10 @@ def _imported(ctx, name):
 
 def test_preloaded_modules_are_imported_before_the_fork_and_dist_names_none_above_it(monkeypatch, no_leaks):
     """`preload_in_ranks` names a module for the caller to import before forking, so every rank finds it already
-    imported; dist itself preloads only torch's own lazily imported module (no course layer above it)."""
-    import course_lib.dist.launch as L
+    imported; distributed itself preloads only torch's own lazily imported module (no course layer above it)."""
+    import course_lib.distributed.launch as L
     monkeypatch.setattr(L, "_PRELOAD", list(L._PRELOAD))
-    # dist itself names torch's module only; the course's are named by the layers that own them (course_lib.parallel
+    # distributed itself names torch's module only; the course's are named by the layers that own them (course_lib.parallel
     # names its composer when it is imported, as it is by now)
     assert L._PRELOAD[0] == "torch._dynamo"
     assert {n for n in L._PRELOAD if n.startswith("course_lib")} == {"course_lib.parallel.compose"}

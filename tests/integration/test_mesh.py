@@ -1,11 +1,11 @@
-"""The rank mesh (course_lib.dist.mesh) on real ranks: the groups are the expected rank sets, every axis books its
+"""The rank mesh (course_lib.distributed.mesh) on real ranks: the groups are the expected rank sets, every axis books its
 traffic under its own name in the one ledger, axes of size 1 cost nothing, and data is split by dp rank only."""
 import pytest
 import torch
 
-from course_lib.dist import collectives as C
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import AXES, Mesh
+from course_lib.distributed import collectives as C
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import AXES, Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallel.compose import apply_dp, data_parallel_batches
 from course_lib.train import LedgerProbe, TrainConfig, make_optimizer, run, train_reference

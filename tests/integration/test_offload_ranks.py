@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.memopt.offload import (OffloadAdam, activation_offload_of, apply_activation_offload, apply_offload,
                                        offload_log)
 from course_lib.model import (GPT, GPTConfig, block_activation_bytes, embed_activation_bytes, get_config,

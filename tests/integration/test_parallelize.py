@@ -10,8 +10,8 @@ so the whole matrix costs a handful of process starts. Plans the course refuses 
 import pytest
 import torch
 
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallelize import ParallelPlan, parallelize
 from course_lib.train import LedgerProbe, TrainConfig, train_reference

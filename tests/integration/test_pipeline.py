@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.launch import LaunchError, launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import LaunchError, launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallel import pipeline as P
 from course_lib.parallelize import ParallelPlan, parallelize

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.model import get_config
 from course_lib.parallel.pipeline import pipedream as PD
 

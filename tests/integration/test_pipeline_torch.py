@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallel import pipeline as P
 from course_lib.parallel.pipeline.reference import torch_order, torch_pipeline_run, torch_schedule

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, get_config
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.pipeline import PipelineStage, apply_pipeline, boundary_bytes, split_layers

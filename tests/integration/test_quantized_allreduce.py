@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from course_lib.dist.collectives import all_reduce_ring, chunk_sizes, ring_all_reduce_bytes
-from course_lib.dist.launch import LaunchError, launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.collectives import all_reduce_ring, chunk_sizes, ring_all_reduce_bytes
+from course_lib.distributed.launch import LaunchError, launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.memopt import precision as P
 from course_lib.memopt import quantize as Q
 from course_lib.model import get_config

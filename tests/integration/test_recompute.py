@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.memopt.recompute import CheckpointError, apply_recompute
 from course_lib.model import GPT, get_config
 from course_lib.parallel.compose import apply_dp, apply_fsdp, apply_zero

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.memopt.recompute import make_plan
 from course_lib.memopt.recompute_plan import ActivationPeakProbe, formula_costs, pipeline_peaks
 from course_lib.model import GPT, activation_bytes, get_config

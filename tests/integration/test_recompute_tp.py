@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.collectives import ring_all_reduce_bytes
-from course_lib.dist.launch import launch
-from course_lib.dist.mesh import Mesh, data_parallel_batches
+from course_lib.distributed.collectives import ring_all_reduce_bytes
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh, data_parallel_batches
 from course_lib.memopt.recompute import apply_recompute, make_plan
 from course_lib.memopt.recompute_plan import rerun_tp_bytes
 from course_lib.model import GPT, GPTConfig

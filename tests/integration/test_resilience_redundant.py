@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 
-from course_lib.dist.launch import LaunchError, RankDied, launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.launch import LaunchError, RankDied, launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, get_config, param_count
 from course_lib.parallel.pipeline import split_layers
 from course_lib.parallelize import ParallelPlan, parallelize

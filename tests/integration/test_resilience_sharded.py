@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.model import GPT
 from course_lib.parallel.compose import apply_zero
 from course_lib.resilience import checkpoint as C

@@ -5,7 +5,7 @@ cube is refused on every rank before any group is made."""
 import pytest
 import torch
 
-from course_lib.dist.launch import launch
+from course_lib.distributed.launch import launch
 from course_lib.memory import MemoryTracker
 from course_lib.parallel.tensor import GridLinear, grid_bytes, grid_memory, make_grid, summa, summa_abt, summa_atb
 

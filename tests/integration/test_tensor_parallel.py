@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from course_lib.dist.launch import LaunchError, launch
-from course_lib.dist.mesh import Mesh
+from course_lib.distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from course_lib.distributed.launch import LaunchError, launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.model import GPT, GPTConfig
 from course_lib.parallel.compose import apply_tp, apply_zero, data_parallel_batches
 from course_lib.parallel.tensor import (CollectiveLog, LayerActivationProbe, layer_activation_bytes, layer_traffic,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib import transports as T
-from course_lib.dist.launch import LaunchError
+from course_lib.distributed.launch import LaunchError
 from course_lib.transports import measure
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.data import ShardedBatches
-from course_lib.dist.collectives import ring_all_reduce_bytes
-from course_lib.dist.flat import bucket_params, padded_numel
-from course_lib.dist.launch import launch
+from course_lib.distributed.collectives import ring_all_reduce_bytes
+from course_lib.distributed.flat import bucket_params, padded_numel
+from course_lib.distributed.launch import launch
 from course_lib.memory import MemoryTracker
 from course_lib.model import GPT, GPTConfig, param_count
 from course_lib.parallel.compose import apply_zero, data_parallel_batches

@@ -1,8 +1,8 @@
-"""The course's one flat-buffer layout and its one bucketing rule (course_lib.dist.flat)."""
+"""The course's one flat-buffer layout and its one bucketing rule (course_lib.distributed.flat)."""
 import pytest
 import torch
 
-from course_lib.dist.flat import FlatBuffer, bucket_params, padded_numel
+from course_lib.distributed.flat import FlatBuffer, bucket_params, padded_numel
 
 
 def _params(*numels, dtype=torch.float32):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.dist.collectives import ring_all_gather_bytes, ring_reduce_scatter_bytes, tree_broadcast_bytes, \
+from course_lib.distributed.collectives import ring_all_gather_bytes, ring_reduce_scatter_bytes, tree_broadcast_bytes, \
     tree_reduce_bytes
 from course_lib.model import GPT, GPTConfig, block_activation_bytes
 from course_lib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, check_tp, colossal_bandwidth,

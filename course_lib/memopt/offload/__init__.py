@@ -16,7 +16,7 @@ in `course_lib.fits`; it is re-exported here for notebook 07.
 
 On a CPU box the "device" is the simulated accelerator (`memory.SimulatedAccelerator`: only bytes placed on the
 device count against its capacity), "host" is memory labelled `placed("host")` and "disk" real files. Every transfer
-is a real copy, booked in a transfer log (a `dist.comm.Ledger` whose group is "pcie" or "disk": d2h and writes are
+is a real copy, booked in a transfer log (a `distributed.comm.Ledger` whose group is "pcie" or "disk": d2h and writes are
 "sent", h2d and reads "received"). The PCIe link's *time* is the α–β model (`costmodel.PRESETS`, labelled modeled);
 disk time is measured. Checked against (docs/formulas.md §6):
 

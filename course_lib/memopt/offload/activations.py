@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ...costmodel import Link, get_link
-from ...dist.comm import Ledger
+from ...distributed.comm import Ledger
 from ...fits import DEFAULT_LINK
 from ...memory import carry_tracking, now, saved_tensors_hooks_over
 from ...model import block_activation_bytes, blocks_of, embed_activation_bytes, get_config, head_activation_bytes

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ...dist.comm import Ledger
-from ...dist.mesh import axis_comm
+from ...distributed.comm import Ledger
+from ...distributed.mesh import axis_comm
 from ...parallel.zero import apply_zero
 from .activations import apply_activation_offload
 from .optimizer import OffloadAdam

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...dist.comm import Ledger
+from ...distributed.comm import Ledger
 from ...files import atomic_write
 from ...memory import active_trackers, alloc_category, carry_tracking, fmt_bytes, now, placed
 from .swaps import _book, transfer_log
@@ -28,7 +28,7 @@ class OffloadDiskError(RuntimeError):
 class DiskTier:
     """Optimizer state (fp32 master, m, v) of a list of tensors in real files, one file per chunk of tensors.
 
-    Chunks follow the course's bucketing rule (`dist.flat.bucket_params`, here in bytes of state: 12 per element).
+    Chunks follow the course's bucketing rule (`distributed.flat.bucket_params`, here in bytes of state: 12 per element).
     Each step reads every chunk, updates it and writes it back: chunk c + 1 is read on a thread pool while chunk c is
     updated, and chunk c is written while c + 1 is updated, so at most three chunks are in host memory. A write is
     `files.atomic_write` (a temporary name, fsync when `durable`, a rename over the chunk: atomic on POSIX), and with
@@ -42,7 +42,7 @@ class DiskTier:
 
     def __init__(self, numels, *, directory: str | None = None, chunk_bytes: int = 1 << 20, log: Ledger | None = None,
                  dtype: torch.dtype = torch.float32, durable: bool = True, quota: int | None = None, fault=None):
-        from ...dist.flat import FlatBuffer, bucket_params
+        from ...distributed.flat import FlatBuffer, bucket_params
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         numels = [int(n) for n in numels]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...dist.comm import Ledger
+from ...distributed.comm import Ledger
 from ...memory import active_trackers, alloc_category, carry_tracking, now, placed
 from ...optim import adamw_
 from .disk import DiskTier

@@ -1,6 +1,6 @@
 """A quantized ring all-reduce with error feedback, and data parallelism over it.
 
-The course's ring (course_lib.dist.collectives: chunks as torch.tensor_split, the same send/receive order): every
+The course's ring (course_lib.distributed.collectives: chunks as torch.tensor_split, the same send/receive order): every
 message is block-quantized (`blockwise`) before it is sent and dequantized into an fp32 accumulator when it arrives;
 the all-gather forwards the owner's encoding unchanged, so every rank ends with identical values. Bytes per rank:
 the fp32 ring's at one byte per element — exactly ¼ — plus 4 bytes per block of every chunk sent. With error
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ...dist.collectives import chunk_sizes, ring_all_reduce_bytes
-from ...dist.mesh import axis_comm
+from ...distributed.collectives import chunk_sizes, ring_all_reduce_bytes
+from ...distributed.mesh import axis_comm
 from ...memory import alloc_category
 from ..precision.formats import get_format
 from .blockwise import PAPER_BLOCK_SIZE, QTensor, dequantize_blockwise, payload_bytes, quantize_blockwise

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...dist.mesh import axis_comm
+from ...distributed.mesh import axis_comm
 from ...memory import now
 from ...model import GPTConfig, get_config
 from .schedules import Op, Schedule, make_schedule

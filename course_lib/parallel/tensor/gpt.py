@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ...dist.mesh import axis_comm
-from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ...distributed.mesh import axis_comm
+from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...model import GPT, TP_PLAN, blocks_of
 from ..pipeline.stage import PipelineStage
 from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,

@@ -1,5 +1,5 @@
 """Tensor parallelism beyond 1D: matrix multiplication on 2D (SUMMA / Optimus), 2.5D (Tesseract) and 3D rank grids,
-from the broadcast/reduce trees and ring all-gather/reduce-scatter of `course_lib.dist.collectives`, and a linear
+from the broadcast/reduce trees and ring all-gather/reduce-scatter of `course_lib.distributed.collectives`, and a linear
 layer Y = X·W (no bias) on each, forward and backward.
 
     2D, q×q (van de Geijn & Watts, SUMMA, 1997; Xu et al., Optimus, arXiv 2104.05343): rank (i, j) holds block
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ...dist.collectives import (all_gather_ring, all_reduce_ring, broadcast_tree, reduce_scatter_ring, reduce_tree,
+from ...distributed.collectives import (all_gather_ring, all_reduce_ring, broadcast_tree, reduce_scatter_ring, reduce_tree,
                                  ring_all_reduce_bytes)
-from ...dist.mesh import Mesh
+from ...distributed.mesh import Mesh
 from .megatron import f
 
 KINDS = ("1D", "2D", "2.5D", "3D")

@@ -5,7 +5,7 @@ Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models U
 arXiv 1909.08053 (2019), §3 and Fig. 3; Narayanan et al., SC'21 (arXiv 2104.04473), §2.3. The sequence-parallel
 pair g / ḡ is Korthikanti et al., MLSys 2023 (arXiv 2205.05198), §4.2.2 (`course_lib.parallel.tensor.sequence`).
 
-Every collective here is a from-scratch ring of `course_lib.dist.collectives` on the tp communicator, so every
+Every collective here is a from-scratch ring of `course_lib.distributed.collectives` on the tp communicator, so every
 byte is a real send in the ledger. Checked against (docs/formulas.md §4.1): per transformer layer and micro-batch,
 two all-reduces of b·s·h elements in forward and two in backward, so rank r sends exactly
 
@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...dist import collectives
-from ...dist.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ...distributed import collectives
+from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...memory import now
 
 

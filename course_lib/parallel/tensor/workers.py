@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ...data import ShardedBatches
-from ...dist.mesh import Mesh, data_parallel_batches
+from ...distributed.mesh import Mesh, data_parallel_batches
 from ...model import GPT
 from ...train import GradProbe, LedgerProbe, MemoryProbe, make_optimizer, optimizer_kwargs, run
 from ..zero import apply_zero

@@ -19,7 +19,7 @@ Guarantees, each tested:
 
 The same worker runs unchanged under `torchrun` (env:// rendezvous): when torchrun's environment is present,
 `launch` runs this process's rank only and returns all ranks' results (gathered with all_gather_object). See
-`python -m course_lib.run --help` and the README. What each rank runs is in `course_lib.dist.rank`.
+`python -m course_lib.run --help` and the README. What each rank runs is in `course_lib.distributed.rank`.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def preload_in_ranks(*module_names: str) -> None:
     imports torch._dynamo the first time an optimizer is built (1–5 s here), and without bytecode caching a course
     module is compiled from source in every rank (~0.5 s per rank per launch). So the layer that knows which modules
     its workers import lazily names them here (`course_lib.parallel` names its composer, which loads every
-    technique). dist depends on none of them: they are strings imported by `importlib` only to warm the cache, and
+    technique). distributed depends on none of them: they are strings imported by `importlib` only to warm the cache, and
     a name that fails to import is skipped (the rank that needs it raises, with its own traceback)."""
     for name in module_names:
         if not isinstance(name, str) or not name:

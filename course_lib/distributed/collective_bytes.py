@@ -1,4 +1,4 @@
-"""What each collective of `course_lib.dist.collectives` sends, rank by rank and exactly, in closed form; and the
+"""What each collective of `course_lib.distributed.collectives` sends, rank by rank and exactly, in closed form; and the
 chunk layout and recursive-halving schedule the algorithms and these formulas share (one source for both).
 
 Every formula counts the bytes rank `rank` SENDS for n elements of `elem` bytes over p ranks, with chunks as

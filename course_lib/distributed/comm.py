@@ -10,7 +10,7 @@ Two kinds of entries:
     algorithm invisibly, so the ledger records the *nominal* bytes of the bandwidth-optimal ring
     (docs/formulas.md §1.1: all-reduce 2(p−1)/p·S, all-gather and reduce-scatter (p−1)/p·S, broadcast S from the root)
     and marks the entry `nominal=True`. Notebooks that assert traffic use the from-scratch algorithms of
-    `course_lib.dist.collectives`, whose ledger entries are all point-to-point and therefore measured.
+    `course_lib.distributed.collectives`, whose ledger entries are all point-to-point and therefore measured.
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ class Communicator:
     def __init__(self, group=None, *, name: str = "world", ledger: Ledger | None = None, solo: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("Communicator needs torch.distributed to be initialized; create ranks with "
-                               "course_lib.dist.launch.launch(fn, world_size), which passes ctx.comm to fn")
+                               "course_lib.distributed.launch.launch(fn, world_size), which passes ctx.comm to fn")
         self.group = group
         self.name = name
         if solo:        # a group of one: no process group, and every collective returns at once

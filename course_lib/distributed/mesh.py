@@ -214,7 +214,7 @@ def axis_comm(mesh_or_comm, axis: str = "dp") -> Communicator:
         return mesh_or_comm[axis]
     if isinstance(mesh_or_comm, Communicator):
         return mesh_or_comm
-    raise TypeError(f"expected a course_lib.dist.mesh.Mesh or a Communicator (ctx.comm inside launch), got "
+    raise TypeError(f"expected a course_lib.distributed.mesh.Mesh or a Communicator (ctx.comm inside launch), got "
                     f"{type(mesh_or_comm).__name__}")
 
 

@@ -1,41 +1,36 @@
 """course_lib: the shared library of the course *Systems for large-model training*.
 
 Every technique the notebooks teach lives here once, as a short readable module; notebooks import it,
-show it (`show_source`) and measure it.
+show it (`show_source`) and measure it. One package per layer, bottom to top — a module imports only its own layer
+and those below (tests/test_layering.py reads every import, function-local ones too):
 
-    model, moe   toy GPT (presets ~44 K – ~20 M parameters; dense or mixture-of-experts), parameter, FLOP and
-                 activation counts
-    data         shipped real-text corpus, byte tokenizer, rank-sharded deterministic batches
-    train        THE training loop (`run`, with probes: ledger, memory, gradients) and the single-process reference
-    memory       exact live bytes by category × placement (device/host/disk), timeline, simulated accelerator
-    files        the one atomic write (write, fsync, rename, fsync the directory)
-    costmodel    alpha-beta link model with sourced presets and a calibration helper ("modeled")
-    plots        per-rank timelines, memory by category, traffic bars
-    distributed/        launch (real ranks), comm (the traffic ledger), mesh (pp × dp × cp × tp, ep inside dp),
-                 collectives, all-to-all, flat buffers
-    parallel/    dp (DDP), zero (ZeRO-1/2), fsdp (ZeRO-3), pipeline, tensor, context (ring attention), expert (EP)
-    memopt/      memory-saving techniques (offload, recomputation, precision, quantization)
-    optim/       the one optimizer module: AdamW, fp32 master weights, 8-bit states
-    fits         which technique fits a model on a device, at what modeled cost (analytic)
-    transports/  TCP / RDMA / GPUDirect: measured paths between processes, the modeled exchange
-    resilience/  checkpoints and recovery · io/ data from object storage through caches
-    parallel_plan, parallelize   ONE plan of every technique, checked before launch, and the composer that applies
-                 it on a rank in the one order techniques compose in
-    checks/      lab checks: one pass line with the measured figure, or one failure with a hint
-    calculator/  the capstone's analytic calculator: memory, step time, planner, cost; checked against published
-                 tables (data/published/)
-    capstone     notebook 13's worker: every axis at once through parallelize, equal to one process, the survey's
-                 table measured (capstone_survey), the per-rank timeline (capstone_plots); runs under torchrun
-
-Layers, bottom to top — a module imports only its own layer and those below (tests/test_layering.py reads every
-import, function-local ones too):
-
-    foundation   model, moe, data, memory, files, costmodel, plots (and this package)
-    distributed  distributed/ (and run, the torchrun entry)
-    train        train
-    techniques   parallel/, memopt/, optim/, transports/, fits
-    systems      resilience/, io/
-    composer     parallel_plan, parallelize, checks/, calculator/, capstone*
+    foundation
+      core/          the toy GPT (model, moe), its data, the atomic write (files), the alpha-beta link model
+                     (costmodel), the plots every notebook draws
+      memory/        exact live bytes by category × placement (device/host/disk), timeline, simulated accelerator
+    distributed
+      distributed/   launch (real ranks), comm (the traffic ledger), mesh (pp × dp × cp × tp, ep inside dp),
+                     collectives, all-to-all, flat buffers
+      run            the torchrun entry: `torchrun … -m course_lib.run module:worker`
+    train
+      train          THE training loop (`run`, with probes: ledger, memory, gradients) and the single-process reference
+    techniques       each `apply_<technique>(model, mesh, …)` in its own module
+      parallel/      dp (DDP), zero (ZeRO-1/2), fsdp (ZeRO-3), pipeline, tensor, context (ring attention), expert (EP)
+      memopt/        memory-saving techniques (offload, recomputation, precision, quantization) and memory_fit, which
+                     technique fits a model on a device at what modeled cost
+      optim/         the one optimizer module: AdamW, fp32 master weights, 8-bit states
+      transports/    TCP / RDMA / GPUDirect: measured paths between processes, the modeled exchange
+    systems
+      resilience/    checkpoints and recovery
+      io/            data from object storage through caches
+    composer
+      composer/      ONE plan of every technique (plan), checked before launch, the composer that applies it on a rank
+                     in the one order techniques compose in (parallelize), the bytes each axis carries (expected)
+      capstone/      notebook 13's worker: every axis at once through parallelize, equal to one process; the survey's
+                     table measured (survey), the per-rank timeline (plots); runs under torchrun
+      calculator/    the capstone's analytic calculator: memory, step time, planner, cost; checked against published
+                     tables (data/published/)
+      checks/        lab checks: one pass line with the measured figure, or one failure with a hint
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
 """

@@ -8,7 +8,7 @@
                      finish_gradient_synchronization()             (if the model has it: DDP's wrappers)
                      optimizer.step() → [probes see the states] → optimizer.zero_grad()
 
-What a technique changes is the model it wraps (`course_lib.parallel.compose.apply_*`), the optimizer, or — for a
+What a technique changes is the model it wraps (an `apply_<technique>`), the optimizer, or — for a
 pipeline, whose schedule runs the micro-batches itself — the `step_fn`. What a notebook measures is a probe: bytes
 per phase from the traffic ledger, memory by category from the memory accountant, the gradients the optimizer was
 handed, compute spans for a per-rank timeline. All phases are timed on `time.perf_counter`, the ledger's clock.
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .data import ByteTokenizer, ShardedBatches
+from .core.data import ByteTokenizer, ShardedBatches
 from .memory import now, untracked
-from .model import GPT, GPTConfig, get_config
+from .core.model import GPT, GPTConfig, get_config
 
 
 @dataclass(frozen=True)

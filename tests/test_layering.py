@@ -11,13 +11,12 @@ ROOT = Path(course_lib.__file__).parent
 # Bottom to top: a module may import its own layer and the layers below. The first package component decides
 # (`course_lib.parallel.zero` is in "techniques"); the package itself (`course_lib/__init__.py`) is a foundation.
 LAYERS = (
-    ("foundation", {"", "_env", "files", "memory", "model", "moe", "data", "costmodel", "plots"}),
+    ("foundation", {"", "_env", "core", "memory"}),
     ("distributed", {"distributed", "run"}),
     ("train", {"train"}),
-    ("techniques", {"parallel", "memopt", "optim", "transports", "fits"}),
+    ("techniques", {"parallel", "memopt", "optim", "transports"}),
     ("systems", {"resilience", "io"}),
-    ("composer", {"parallel_plan", "parallelize", "checks", "calculator", "capstone", "capstone_survey",
-                  "capstone_plots"}),
+    ("composer", {"composer", "checks", "calculator", "capstone"}),
 )
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _median_step(ctx, wrap, cfg, tc, warmup):
-    from course_lib.parallelize import train_parallel
+    from course_lib.composer.parallelize import train_parallel
     run, _ = train_parallel(ctx.comm, cfg, tc, wrap)
     return statistics.median(run.step_seconds[warmup:])
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from course_lib.distributed.launch import launch
-    from course_lib.model import get_config, param_count
+    from course_lib.core.model import get_config, param_count
     from course_lib.parallel import dp as D
     from course_lib.train import TrainConfig, make_optimizer
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark (not a test): step time of every ZeRO stage built by `course_lib.parallel.compose.apply_zero` — DDP
+"""Benchmark (not a test): step time of every ZeRO stage built by `course_lib.parallel.zero.apply_zero` — DDP
 (stage 0), ZeRO-1, ZeRO-2, ZeRO-3/FSDP — against PyTorch's FSDP2 `fully_shard` on gloo, same model, same global
 batch, the course's training loop (`train.run`).
 
@@ -14,9 +14,9 @@ import argparse
 import statistics
 
 from course_lib.distributed.launch import launch
-from course_lib.model import get_config, param_count
-from course_lib.parallel.compose import STAGE_NAMES, apply_zero
-from course_lib.parallelize import train_parallel
+from course_lib.core.model import get_config, param_count
+from course_lib.parallel.zero import STAGE_NAMES, apply_zero
+from course_lib.composer.parallelize import train_parallel
 from course_lib.train import TrainConfig, optimizer_kwargs
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")

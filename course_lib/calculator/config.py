@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ..costmodel import Link, get_link
+from ..core.costmodel import Link, get_link
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 RECOMPUTE = (None, "selective", "full")

@@ -16,7 +16,7 @@ from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
 
-from ..costmodel import PRESETS, Link
+from ..core.costmodel import PRESETS, Link
 from .config import Cluster, Decoder, Job
 from .memory import layer_activation_terms, model_states
 from .step_time import IDEAL, Efficiency, narayanan_flops, step_time

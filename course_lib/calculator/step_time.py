@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 
-from ..costmodel import Link, ring_all_gather_time, ring_all_reduce_time
+from ..core.costmodel import Link, ring_all_gather_time, ring_all_reduce_time
 from ..parallel.pipeline.schedules import bubble_formula, make_schedule, simulate
 from .config import PRECISIONS, Cluster, Decoder, Job
 from .memory import device_params, layer_params, param_count
@@ -201,7 +201,7 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
     # optimizer offload: the weights go down and the gradients up the host link each step (ZeRO-Offload, §6)
     off_t = 0.0
     if job.offload:
-        from ..fits import Machine, zero_offload_step_time
+        from ..memopt.memory_fit import Machine, zero_offload_step_time
         mach = Machine()
         shard = psi // (N if job.zero >= 1 else 1)
         cpu = shard / (mach.adam_per_core * mach.host_cores)

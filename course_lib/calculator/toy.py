@@ -95,14 +95,14 @@ def rank_layout(cfg, plan, tc, rank: int, dtype=torch.float32) -> dict:
     layout communicators: its model (TP shards, its pipeline stage), the pipeline layout, the recomputation plan of
     its blocks and the reducer over dp × cp."""
     from ..memopt.recompute import make_plan
-    from ..model import GPT
+    from ..core.model import GPT
     from ..parallel.dp import apply_dp
     from ..parallel.fsdp import apply_fsdp
     from ..parallel.pipeline.executor import plan_pipeline
     from ..parallel.pipeline.stage import PipelineStage
     from ..parallel.tensor import apply_tp
     from ..parallel.zero import ShardedOptimizer
-    from ..parallelize import _fsdp_options
+    from ..composer.parallelize import _fsdp_options
     why = _unsupported(plan)
     if why:
         raise ValueError(f"calculator.toy counts fp32 plans without ep or offload; this plan has {why}")
@@ -159,7 +159,7 @@ def model_state_memory(lay: dict, plan) -> dict:
 def expected(cfg, plan, tc, dtype=torch.float32) -> list[dict]:
     """Per world rank: its coordinates, the bytes it sends per step on each axis (the ledger's group names) and its
     model states by category — what `parallelize` will measure (tests/integration/test_calculator_toy.py)."""
-    from ..parallel.expected import bytes_per_step
+    from ..composer.expected import bytes_per_step
     out = []
     for rank in range(plan.pp * plan.dp * plan.cp * plan.tp):
         lay = rank_layout(cfg, plan, tc, rank, dtype)
@@ -178,8 +178,8 @@ def measure_op_costs(cfg, micro_batch_size: int, repeats: int = 5, dtype=torch.f
     (embedding, head and loss)."""
     import time
 
-    from ..data import ShardedBatches
-    from ..model import GPT
+    from ..core.data import ShardedBatches
+    from ..core.model import GPT
 
     def best(c):
         model = GPT(c).to(dtype)
@@ -225,7 +225,7 @@ def step_overhead(cfg, tc, op_costs: dict, measured_one_process_s: float) -> flo
     """The one fitted constant of the toy's step model: the measured step of one process (the same loop, no
     parallelism) minus the forward + backward its op costs predict — everything else a step does once (AdamW,
     zero_grad, the batch, Python). Fitted on the one-process run, never on the runs it then predicts."""
-    from ..parallel_plan import ParallelPlan
+    from ..composer.plan import ParallelPlan
     one = modeled_step(cfg, ParallelPlan(), tc, {**op_costs, "step": 0.0}, None)[0]["total"]
     return max(measured_one_process_s - one, 0.0)
 

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ..costmodel import GB, Link, Stage, pipelined_time
+from ..core.costmodel import GB, Link, Stage, pipelined_time
 from ..distributed.launch import LaunchError
 from ..transports import MiB, measure_staged_send, send_staged_serial
 from . import check

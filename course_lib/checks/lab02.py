@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import costmodel
+from ..core import costmodel
 from ..distributed import collectives
 from ..distributed.collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ..distributed.mesh import Mesh

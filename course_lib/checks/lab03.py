@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..data import ShardedBatches
-from ..model import GPT, get_config
+from ..core.data import ShardedBatches
+from ..core.model import GPT, get_config
 from ..parallel import dp as D
 from ..distributed.mesh import data_parallel_batches
 from ..train import GradProbe, Probe, TrainConfig, make_optimizer, run, train_reference

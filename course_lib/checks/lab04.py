@@ -24,10 +24,10 @@ import torch
 from ..distributed.collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_scatter_bytes
 from ..distributed.launch import LaunchError, launch
 from ..memory import untracked
-from ..model import GPT, get_config
+from ..core.model import GPT, get_config
 from ..distributed.mesh import data_parallel_batches
 from ..train import MemoryProbe, Probe, TrainConfig, make_optimizer, run
-from ..data import ShardedBatches
+from ..core.data import ShardedBatches
 from . import check
 
 CFG = get_config("nano")

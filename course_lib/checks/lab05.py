@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..data import ShardedBatches
-from ..model import GPT, get_config
+from ..core.data import ShardedBatches
+from ..core.model import GPT, get_config
 from ..parallel.pipeline import Op, ScheduleError, bubble_formula, bubble_fraction, in_flight, make_schedule, simulate
 from . import check, run_ranks
 
@@ -118,7 +118,7 @@ def _trains(ctx, one_f_one_b, M):
     from ..train import GradProbe, TrainConfig
     mesh = Mesh(ctx.comm, pp=ctx.world_size)
     tc = TrainConfig(steps=1, batch_size=2 * M)
-    from ..parallelize import ParallelPlan, parallelize
+    from ..composer.parallelize import ParallelPlan, parallelize
     plan = ParallelPlan(pp=ctx.world_size, schedule=one_f_one_b, microbatches=M)    # the learner's schedule
     with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train=tc) as job:
         run = job.train(tc.steps, probes=[GradProbe()])

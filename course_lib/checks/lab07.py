@@ -16,10 +16,10 @@ import threading
 
 import torch
 
-from ..data import ShardedBatches
+from ..core.data import ShardedBatches
 from ..memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
 from ..memopt.offload import ActivationOffload, _Packed, offloaded_activation_peak
-from ..model import GPT, activation_bytes, block_activation_bytes, get_config
+from ..core.model import GPT, activation_bytes, block_activation_bytes, get_config
 from . import check
 
 CFG = get_config("nano", n_layer=4)

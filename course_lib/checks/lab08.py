@@ -11,7 +11,7 @@
                                             recomputation, extra FLOPs ≤ one forward of the blocks (the bound)
 
 Every run goes through `course_lib.train.run` or a block alone, under the memory accountant and torch's
-FlopCounterMode; the expected values come from `course_lib.memopt.recompute_plan`.
+FlopCounterMode; the expected values come from `course_lib.memopt.recompute.costs`.
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..data import ShardedBatches
+from ..core.data import ShardedBatches
 from ..memopt.recompute import Plan, Unit, apply_recompute, checkpoint, make_plan, torch_policy
-from ..memopt.recompute_plan import (BlockCost, ChainCosts, FlopProbe, activation_peak, formula_costs, plan_extra,
+from ..memopt.recompute.costs import (BlockCost, ChainCosts, FlopProbe, activation_peak, formula_costs, plan_extra,
                                      plan_peak)
 from ..memory import MemoryTracker
-from ..model import GPT, block_activation_bytes, get_config
+from ..core.model import GPT, block_activation_bytes, get_config
 from ..train import GradProbe, MemoryProbe, TrainConfig, make_optimizer, run
 from . import check
 

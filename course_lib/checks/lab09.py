@@ -19,10 +19,10 @@ import random
 
 import torch
 
-from ..data import ShardedBatches
+from ..core.data import ShardedBatches
 from ..memopt import precision as P
 from ..memopt import quantize as Q
-from ..model import GPT, get_config
+from ..core.model import GPT, get_config
 from ..train import TrainConfig, optimizer_kwargs, run
 from . import check
 

@@ -15,7 +15,7 @@ import builtins
 import contextlib
 import tempfile
 
-from ..data import load_tokens
+from ..core.data import load_tokens
 from ..io import cache as K
 from ..io import shards as H
 from ..io import store as S

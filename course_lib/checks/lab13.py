@@ -83,14 +83,14 @@ def check_choice(choose) -> Job:
 
 
 def _want(job: Job):
-    from ..parallel_plan import ParallelPlan
+    from ..composer.plan import ParallelPlan
     return ParallelPlan(dp=job.dp, tp=job.tp, pp=job.pp, zero=job.zero, schedule=job.schedule, chunks=job.chunks,
                         microbatches=job.microbatches, sequence_parallel=job.sequence_parallel,
                         recompute=job.recompute)
 
 
 def _check_plan(c, toy_plan, job):
-    from ..parallel_plan import ParallelPlan
+    from ..composer.plan import ParallelPlan
     plan = toy_plan(job)
     c.expect(isinstance(plan, ParallelPlan), f"toy_plan returned a {type(plan).__name__}, not a ParallelPlan")
     want = _want(job)
@@ -119,8 +119,8 @@ def _toy_worker(ctx, plan, batch, reference, seed):
     import torch
 
     from ..distributed.mesh import Mesh
-    from ..model import GPT, get_config
-    from ..parallelize import parallelize
+    from ..core.model import GPT, get_config
+    from ..composer.parallelize import parallelize
     from ..train import TrainConfig
     torch.set_default_dtype(torch.float64)
     cfg = get_config("nano", **TOY)
@@ -135,7 +135,7 @@ def _toy_worker(ctx, plan, batch, reference, seed):
 def check_toy_run(toy_plan, choose, world_size: int = WORLD, seed: int = 0) -> None:
     import torch
 
-    from ..model import GPT, get_config
+    from ..core.model import GPT, get_config
     from ..train import TrainConfig, train_reference
     with check("toy run") as c:
         job = choose(MODEL, cluster(), BATCH, WORLD)

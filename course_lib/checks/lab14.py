@@ -17,7 +17,7 @@ import torch
 
 from ..memopt.offload import mobius as MB
 from ..memory import SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
-from ..model import GPT, GPTConfig
+from ..core.model import GPT, GPTConfig
 from . import check, exercises
 
 CFG = GPTConfig(vocab_size=1024, seq_len=8, n_layer=3, n_head=2, d_model=32)   # embedding, head ≫ a block

@@ -122,12 +122,12 @@ def preload_in_ranks(*module_names: str) -> None:
     function-local import, a module the caller never touched) costs each rank again, every launch — torch.optim
     imports torch._dynamo the first time an optimizer is built (1–5 s here), and without bytecode caching a course
     module is compiled from source in every rank (~0.5 s per rank per launch). So the layer that knows which modules
-    its workers import lazily names them here (`course_lib.parallel` names its composer, which loads every
-    technique). distributed depends on none of them: they are strings imported by `importlib` only to warm the cache, and
-    a name that fails to import is skipped (the rank that needs it raises, with its own traceback)."""
+    its workers import lazily names them here (`course_lib.parallel` and `course_lib.memopt` name their techniques).
+    distributed depends on none of them: they are strings imported by `importlib` only to warm the cache, and a name
+    that fails to import is skipped (the rank that needs it raises, with its own traceback)."""
     for name in module_names:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"preload_in_ranks takes module names, e.g. 'course_lib.parallel.compose'; got {name!r}")
+            raise ValueError(f"preload_in_ranks takes module names, e.g. 'course_lib.parallel.zero'; got {name!r}")
         if name not in _PRELOAD:
             _PRELOAD.append(name)
 

@@ -222,7 +222,7 @@ def data_parallel_batches(mesh_or_comm, seq_len: int, global_batch_size: int, *,
                           seed: int = 0, split: str = "train"):
     """This rank's share of each global batch of `global_batch_size` sequences, split over the dp ranks (the one
     batch splitter of the course: every technique, lab check and test gets its data here)."""
-    from ..data import ShardedBatches
+    from ..core.data import ShardedBatches
     comm = axis_comm(mesh_or_comm, "dp")
     n = comm.world_size * accum_steps
     if global_batch_size % n:

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..files import atomic_write
+from ..core.files import atomic_write
 from .shards import ShardIndex
 
 POLICIES = ("lru", "mru", "pin")

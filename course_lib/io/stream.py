@@ -15,7 +15,7 @@ has consumed, and resuming from it is exact (notebook 10's bitwise resume). The 
 fetches the shards in the order the stream will first need them, `prefetch` shards ahead, each through the source
 (concurrent ranged GETs from the store, or a cache tier in front of it).
 
-`get(step, micro)` makes it a drop-in for `course_lib.data.ShardedBatches` in `train.run`: micro-batch `micro` of
+`get(step, micro)` makes it a drop-in for `course_lib.core.data.ShardedBatches` in `train.run`: micro-batch `micro` of
 `step` on this rank is samples [(step·accum_steps + micro)·b, … + b) of its stream (b = micro_batch_size), and the
 global batch of a step, as one process sees it (`GlobalBatches`), is the ranks' micro-batches in rank order — so
 N ranks each averaging their gradient train exactly like one process on the global batch (formulas §2.3).

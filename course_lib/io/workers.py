@@ -35,7 +35,7 @@ def stream_worker(ctx, access, bucket: str, index: ShardIndex, *, micro_batch_si
            "batches": batches[:keep_steps], "seconds": seconds, "issued": issued, "losses": [], "tokens_per_s": None}
     stream.close()
     if train_steps:
-        from ..model import GPT
+        from ..core.model import GPT
         from ..parallel.dp import apply_dp
         from ..train import make_optimizer, run
         model = apply_dp(GPT(cfg, seed=tc.seed), ctx.comm, kind="bucket")

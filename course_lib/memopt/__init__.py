@@ -12,6 +12,11 @@
                    post-training quantization (09)
 
 Each module is a short file built on the shared mesh, flat buffers and training loop (`course_lib.train.run`), with
-its `apply_<technique>(model, mesh, ...)`; `course_lib.parallel.compose` says in which order they compose with
+its `apply_<technique>(model, mesh, ...)`; `course_lib.composer.parallelize.ORDER` says in which order they compose with
 tensor parallelism, pipelines and data parallelism. The formulas checked are in docs/formulas.md.
 """
+from ..distributed.launch import preload_in_ranks
+
+# ranks import the techniques inside their workers: warm them in the caller once, so forked ranks inherit them
+TECHNIQUES = ("recompute", "offload", "precision", "quantize")
+preload_in_ranks(*(f"{__name__}.{name}" for name in TECHNIQUES))

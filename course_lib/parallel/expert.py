@@ -3,7 +3,7 @@ sent to the rank that owns their expert and combined back with an all-to-all bui
 
 Lepikhin et al., GShard, arXiv 2006.16668 (2020), §2.2–3; Fedus et al., Switch Transformers, JMLR 2022, §2.2;
 Rajbhandari et al., DeepSpeed-MoE, ICML 2022 (expert + data parallelism). The single-process layer it must equal is
-`course_lib.moe.MoE` (groups = the ranks' micro-batches: capacity is decided per group, locally).
+`course_lib.core.moe.MoE` (groups = the ranks' micro-batches: capacity is decided per group, locally).
 
     rank r:   route its N tokens (the router is replicated)  →  kept assignments sorted by expert
               dispatch: rows for expert e go to rank e // (E/ep)       (all-to-all, uneven splits)
@@ -29,7 +29,7 @@ import torch.nn as nn
 from ..distributed import collectives
 from ..distributed.all_to_all import AllToAll, all_to_all, exchange_sizes
 from ..distributed.mesh import Mesh, axis_comm
-from ..moe import MoE, route
+from ..core.moe import MoE, route
 
 
 class ExpertParallelMoE(nn.Module):
@@ -93,7 +93,7 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not swaps:
         raise TypeError(f"apply_ep found no MoE layer in {type(model).__name__}: build the GPT with n_expert > 0 "
-                        f"(course_lib.moe.MoE feed-forwards)")
+                        f"(course_lib.core.moe.MoE feed-forwards)")
     for i, (name, moe) in enumerate(swaps):
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,

@@ -2,7 +2,7 @@
 
 Rajbhandari, Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC'20
 (arXiv 1910.02054). Stage 0 — plain data parallelism — is `course_lib.parallel.dp`; stage 3, where the parameters
-are sharded too, is `course_lib.parallel.fsdp`; `course_lib.parallel.compose.apply_zero` builds any of them.
+are sharded too, is `course_lib.parallel.fsdp`; `course_lib.parallel.zero.apply_zero` builds any of them.
 
 Every rank holds the whole model. The trainable parameters are laid end to end in flat buckets (the course's one
 bucketing rule, `course_lib.distributed.flat`); each bucket is padded with zeros to a multiple of N = world_size and cut
@@ -122,7 +122,7 @@ class ShardedOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (+ gradients), got {stage!r}; plain "
                              f"data parallelism is course_lib.parallel.dp, stage 3 course_lib.parallel.fsdp.FSDP "
-                             f"(course_lib.parallel.compose.apply_zero builds any stage)")
+                             f"(course_lib.parallel.zero.apply_zero builds any stage)")
         self.comm, self.stage, self.tag = comm, stage, tag
         self.require_backward_grad_sync = True     # False inside no_sync(): accumulate only, reduce later
         params = list(dict.fromkeys(p for p in params if p.requires_grad))    # unique: a tied weight once

@@ -33,7 +33,7 @@ import safetensors.torch
 import torch
 
 from ..distributed.launch import LaunchError, LaunchTimeout, launch
-from ..files import atomic_write
+from ..core.files import atomic_write
 from ..memory import now
 from ..train import Probe
 from .checkpoint import _fill, snapshot
@@ -220,7 +220,7 @@ def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: i
     in attempt > 0 restore from peers first. kill: [(rank, step), ...] — in attempt 0 each of those ranks is
     SIGKILLed in that step's backward (`note`: a file that receives the time of death). Returns this rank's final
     state pieces, the step it started from, where its state came from, and timings (perf_counter)."""
-    from ..model import GPT
+    from ..core.model import GPT
     from ..distributed.mesh import data_parallel_batches
     from ..parallel.zero import apply_zero
     from ..train import optimizer_kwargs, run

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..distributed.comm import Communicator, Ledger
 from ..memory import now
-from ..model import GPT, get_config
+from ..core.model import GPT, get_config
 from ..parallel.pipeline.executor import Pipeline, plan_pipeline
 from ..parallel.pipeline.stage import PipelineStage, split_layers
 from ..train import make_optimizer, run
@@ -298,7 +298,7 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
 
 def _batches(cfg, tc, num_microbatches: int):
     """Every stage sees the same micro-batches (one pipeline, no data parallelism)."""
-    from ..data import ShardedBatches
+    from ..core.data import ShardedBatches
     if tc.batch_size % num_microbatches:
         raise ValueError(f"global batch {tc.batch_size} does not split into M={num_microbatches} micro-batches")
     return ShardedBatches(cfg.seq_len, tc.batch_size // num_microbatches, accum_steps=num_microbatches,

@@ -38,8 +38,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..data import ShardedBatches
-from ..model import GPT, get_config
+from ..core.data import ShardedBatches
+from ..core.model import GPT, get_config
 from ..distributed.mesh import data_parallel_batches
 from ..parallel.zero import apply_zero
 from ..train import TrainConfig, make_optimizer, optimizer_kwargs, run

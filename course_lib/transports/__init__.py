@@ -10,14 +10,14 @@
     staging    lab 01: sends staged through host bounce buffers by a simulated copy engine (`CopyEngine`,
                `LoggedSocket`, `overlap_fraction`, `send_staged_serial`, `measure_staged_send`)
 
-The formulas (Hockney, Parallel Computing 20(3), 1994; docs/formulas.md §9) live in `course_lib.costmodel` and are
+The formulas (Hockney, Parallel Computing 20(3), 1994; docs/formulas.md §9) live in `course_lib.core.costmodel` and are
 re-exported here (`Stage`, `pipelined_time`):
 
     t(S) = α + S·β,  n½ = α/β          T_pipelined = Σ_i t_i(c) + (k − 1)·max_i t_i(c),  c = S/k
 
 `from course_lib import transports as T` gives every public name below.
 """
-from ..costmodel import Stage, pipelined_time
+from ..core.costmodel import Stage, pipelined_time
 from .exchange import CATEGORY_COLORS, SCENARIOS, Exchange, exchange_stages, model_exchange, plot_exchanges
 from .measure import (DEFAULT_TIMEOUT, MEASURED_PATHS, PATHS, KiB, MeasuredPath, MiB, TransportMeasurement,
                       measure_transports, memcpy_once, message_sizes, pattern, recv_shm_write, recv_tcp_naive,

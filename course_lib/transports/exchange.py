@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..costmodel import Link, Stage, get_link, pipelined_time
+from ..core.costmodel import Link, Stage, get_link, pipelined_time
 from .measure import MiB
 from .paths import ENGINES, RealPath, real_world_paths
 

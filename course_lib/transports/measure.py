@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..costmodel import GB, Link, fit_alpha_beta
+from ..core.costmodel import GB, Link, fit_alpha_beta
 from .wire import (KiB, MiB, _read_exact_fd, connect_ranks, loopback_listener, memcpy_once,  # noqa: F401
                    recv_ack, recv_shm_write, recv_tcp_naive, recv_tcp_zerocopy, send_shm_write, send_tcp_naive,
                    send_tcp_zerocopy)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from course_lib.distributed.all_to_all import all_to_all, all_to_all_bytes
 from course_lib.distributed.launch import launch
-from course_lib.moe import MoE, capacity, check_moe, route
+from course_lib.core.moe import MoE, capacity, check_moe, route
 from course_lib.parallel import context as C
 from course_lib.parallel.expert import ExpertParallelMoE, expert_bytes_per_forward
 
@@ -186,7 +186,7 @@ def test_bad_moe_settings_are_refused_before_any_rank_waits():
 # ------------------------------------------------------------------------------------------ the GPT under cp × dp
 def _cp_gpt(ctx, cfg, tc, dp, cp, layout):
     from course_lib.distributed.mesh import Mesh
-    from course_lib.model import GPT
+    from course_lib.core.model import GPT
     from course_lib.parallel.context import apply_cp
     from course_lib.parallel.dp import apply_dp
     from course_lib.train import LedgerProbe, make_optimizer, run
@@ -202,7 +202,7 @@ def _cp_gpt(ctx, cfg, tc, dp, cp, layout):
 
 @pytest.mark.parametrize("dp, cp, layout", [(1, 2, "zigzag"), (2, 2, "zigzag"), (1, 4, "contiguous")])
 def test_the_gpt_under_context_parallelism_trains_like_one_process(dp, cp, layout):
-    from course_lib.model import GPT, get_config
+    from course_lib.core.model import GPT, get_config
     from course_lib.train import TrainConfig, train_reference
     cfg, tc = get_config("nano", seq_len=16), TrainConfig(steps=2, batch_size=4, lr=1e-2)
     ref = train_reference(cfg, tc, progress=False, model=GPT(cfg, seed=tc.seed).double())
@@ -219,7 +219,7 @@ def test_the_gpt_under_context_parallelism_trains_like_one_process(dp, cp, layou
 # ------------------------------------------------------------------------------------------ the MoE GPT under ep × dp
 def _ep_gpt(ctx, cfg, tc, dp, ep):
     from course_lib.distributed.mesh import Mesh
-    from course_lib.model import GPT
+    from course_lib.core.model import GPT
     from course_lib.parallel.expert import ExpertDataParallel, apply_ep, is_expert_param
     from course_lib.train import make_optimizer, run
     mesh = Mesh(ctx.comm, dp=dp, ep=ep)
@@ -236,8 +236,8 @@ def _ep_gpt(ctx, cfg, tc, dp, ep):
 
 @pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2), (4, 4)])
 def test_the_moe_gpt_under_expert_parallelism_trains_like_one_process(dp, ep):
-    from course_lib.model import GPT, get_config
-    from course_lib.moe import expert_param_count
+    from course_lib.core.model import GPT, get_config
+    from course_lib.core.moe import expert_param_count
     from course_lib.parallel.expert import set_moe_groups
     from course_lib.train import TrainConfig, train_reference
     cfg = get_config("nano", seq_len=16, n_expert=4, top_k=2, capacity_factor=1.0)

@@ -20,12 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.data import ShardedBatches
+from course_lib.core.data import ShardedBatches
 from course_lib.distributed.launch import launch
-from course_lib.model import GPT, get_config
+from course_lib.core.model import GPT, get_config
 from course_lib.parallel import dp as D
-from course_lib.parallel.compose import data_parallel_batches
-from course_lib.parallelize import train_parallel
+from course_lib.distributed.mesh import data_parallel_batches
+from course_lib.composer.parallelize import train_parallel
 from course_lib.train import GradProbe, LedgerProbe, TrainConfig, make_optimizer, run, train_reference
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""FSDP with chosen parameters left replicated (course_lib.parallel.fsdp_replicate), on real gloo ranks in float64.
+"""FSDP with chosen parameters left replicated (course_lib.parallel.fsdp.replicate), on real gloo ranks in float64.
 
 Proved for "replicate norms and biases" (every 1-D parameter), "replicate below N elements" (which also catches a
 2-D parameter, the position embedding) and a set of names, on 2 and 3 ranks of a model whose every dimension pads:
@@ -20,7 +20,7 @@ import torch
 from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.model import GPT, GPTConfig
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.fsdp import FSDP, apply_fsdp, norms_and_biases, shard_rows
 from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, run, train_reference
 

@@ -7,7 +7,7 @@ import time
 import fsspec
 import pytest
 
-from course_lib.data import load_tokens
+from course_lib.core.data import load_tokens
 from course_lib.io import cache as K
 from course_lib.io import shards as H
 from course_lib.io import store as S

@@ -298,10 +298,13 @@ def test_preloaded_modules_are_imported_before_the_fork_and_dist_names_none_abov
     imported; distributed itself preloads only torch's own lazily imported module (no course layer above it)."""
     import course_lib.distributed.launch as L
     monkeypatch.setattr(L, "_PRELOAD", list(L._PRELOAD))
-    # distributed itself names torch's module only; the course's are named by the layers that own them (course_lib.parallel
-    # names its composer when it is imported, as it is by now)
+    # distributed itself names torch's module only; the course's are named by the layers that own them
+    # (course_lib.parallel and course_lib.memopt name their techniques when they are imported, as they are by now)
+    import course_lib.memopt
+    import course_lib.parallel
     assert L._PRELOAD[0] == "torch._dynamo"
-    assert {n for n in L._PRELOAD if n.startswith("course_lib")} == {"course_lib.parallel.compose"}
+    assert {n for n in L._PRELOAD if n.startswith("course_lib")} == {
+        f"{pkg.__name__}.{name}" for pkg in (course_lib.parallel, course_lib.memopt) for name in pkg.TECHNIQUES}
     name = "xml.dom.minidom"                      # a stdlib module nothing here imports on its own
     monkeypatch.delitem(sys.modules, name, raising=False)
     L.preload_in_ranks(name)

@@ -6,8 +6,9 @@ import torch
 from course_lib.distributed import collectives as C
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import AXES, Mesh
-from course_lib.model import GPT, get_config
-from course_lib.parallel.compose import apply_dp, data_parallel_batches
+from course_lib.core.model import GPT, get_config
+from course_lib.parallel.dp import apply_dp
+from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.train import LedgerProbe, TrainConfig, make_optimizer, run, train_reference
 
 pytestmark = pytest.mark.integration

@@ -17,12 +17,12 @@ import time
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
+from course_lib.core.data import ShardedBatches
 from course_lib.distributed.launch import LaunchError, launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.model import GPT, get_config
+from course_lib.core.model import GPT, get_config
 from course_lib.parallel import pipeline as P
-from course_lib.parallelize import ParallelPlan, parallelize
+from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, train_reference
 
 pytestmark = pytest.mark.integration

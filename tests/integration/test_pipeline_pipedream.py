@@ -11,7 +11,7 @@ import functools
 import pytest
 
 from course_lib.distributed.launch import launch
-from course_lib.model import get_config
+from course_lib.core.model import get_config
 from course_lib.parallel.pipeline import pipedream as PD
 
 pytestmark = pytest.mark.integration

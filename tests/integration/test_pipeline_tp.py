@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.model import GPT, get_config
+from course_lib.core.model import GPT, get_config
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.pipeline import PipelineStage, apply_pipeline, boundary_bytes, split_layers
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_step

@@ -12,9 +12,11 @@ import torch
 
 from course_lib.distributed.launch import launch
 from course_lib.memopt.recompute import CheckpointError, apply_recompute
-from course_lib.model import GPT, get_config
-from course_lib.parallel.compose import apply_dp, apply_fsdp, apply_zero
-from course_lib.parallelize import train_parallel
+from course_lib.core.model import GPT, get_config
+from course_lib.parallel.dp import apply_dp
+from course_lib.parallel.fsdp import apply_fsdp
+from course_lib.parallel.zero import apply_zero
+from course_lib.composer.parallelize import train_parallel
 from course_lib.train import TrainConfig, optimizer_kwargs, train_reference
 
 pytestmark = pytest.mark.integration
@@ -26,7 +28,7 @@ VARIANTS = [(kind, policy) for kind in ("ddp", "zero2") for policy in (None, "fu
 
 def _wrap(kind, policy, tc, model, comm):
     if policy is not None:
-        apply_recompute(model, policy=policy)       # before DP/ZeRO: the order of course_lib.parallel.compose
+        apply_recompute(model, policy=policy)       # before DP/ZeRO: the order of course_lib.composer.parallelize.ORDER
     if kind == "ddp":
         return apply_dp(model, comm, kind="bucket")
     if kind == "zero2":

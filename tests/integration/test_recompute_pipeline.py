@@ -14,14 +14,14 @@ import functools
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
+from course_lib.core.data import ShardedBatches
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.memopt.recompute import make_plan
-from course_lib.memopt.recompute_plan import ActivationPeakProbe, formula_costs, pipeline_peaks
-from course_lib.model import GPT, activation_bytes, get_config
+from course_lib.memopt.recompute.costs import ActivationPeakProbe, formula_costs, pipeline_peaks
+from course_lib.core.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
-from course_lib.parallelize import ParallelPlan, parallelize
+from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, TrainConfig
 
 pytestmark = pytest.mark.integration

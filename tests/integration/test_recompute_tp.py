@@ -12,13 +12,13 @@ import functools
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
+from course_lib.core.data import ShardedBatches
 from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh, data_parallel_batches
 from course_lib.memopt.recompute import apply_recompute, make_plan
-from course_lib.memopt.recompute_plan import rerun_tp_bytes
-from course_lib.model import GPT, GPTConfig
+from course_lib.memopt.recompute.costs import rerun_tp_bytes
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_microbatch
 from course_lib.train import GradProbe, make_optimizer, run

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from course_lib.distributed.launch import launch
-from course_lib.model import GPT
-from course_lib.parallel.compose import apply_zero
+from course_lib.core.model import GPT
+from course_lib.parallel.zero import apply_zero
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.references import CONFIG, TRAIN, dcp_worker, reload_worker, resumable_worker
 from course_lib.train import make_optimizer, optimizer_kwargs, run
@@ -97,7 +97,7 @@ def test_a_ddp_checkpoint_holds_one_copy_written_by_rank_0(tmp_path):
 
 
 def data_parallel_batches_single():
-    from course_lib.data import ShardedBatches
+    from course_lib.core.data import ShardedBatches
     return ShardedBatches(CONFIG.seq_len, TRAIN.batch_size, seed=TRAIN.data_seed)
 
 

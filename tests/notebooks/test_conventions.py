@@ -93,7 +93,7 @@ def test_widgets_draw_nothing_while_the_notebook_runs(path):
     code = "\n".join(c.source for c in read(path).cells if c.cell_type == "code")
     found = re.findall(r"\b(interact|interactive|interactive_output|interact_manual)\b\s*\(", code)
     assert not found, f"{rel(path)}: {sorted(set(found))} draws while the notebook runs; draw the default " \
-        "figure as ordinary output and use course_lib.plots.explorer for the controls"
+        "figure as ordinary output and use course_lib.core.plots.explorer for the controls"
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=rel)

@@ -3,7 +3,7 @@ import hashlib
 import pytest
 import torch
 
-from course_lib.data import CORPUS_PATH, CORPUS_SHA256, ByteTokenizer, ShardedBatches, load_corpus, load_tokens
+from course_lib.core.data import CORPUS_PATH, CORPUS_SHA256, ByteTokenizer, ShardedBatches, load_corpus, load_tokens
 
 
 def test_corpus_is_shipped_small_and_unchanged():

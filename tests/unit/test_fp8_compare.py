@@ -5,9 +5,9 @@ seed-dependent margin cannot come back unseen without running the whole notebook
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
+from course_lib.core.data import ShardedBatches
 from course_lib.memopt import fp8_compare as C8
-from course_lib.model import GPT, get_config
+from course_lib.core.model import GPT, get_config
 
 pytest.importorskip("torchao")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.data import load_tokens
+from course_lib.core.data import load_tokens
 from course_lib.io import shards as H
 from course_lib.io import stream as R
 

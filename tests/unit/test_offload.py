@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from course_lib.costmodel import get_link
-from course_lib.data import ShardedBatches
-from course_lib.files import disk_full, is_temporary
+from course_lib.core.costmodel import get_link
+from course_lib.core.data import ShardedBatches
+from course_lib.core.files import disk_full, is_temporary
 from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
                                        OffloadPass, activation_offload_of, adamw_, apply_activation_offload,
@@ -16,7 +16,7 @@ from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, Off
                                        link_schedule, measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
                                        zero_offload_step_time)
 from course_lib.memopt.recompute import apply_recompute
-from course_lib.model import (GPT, activation_bytes, block_activation_bytes, embed_activation_bytes, get_config,
+from course_lib.core.model import (GPT, activation_bytes, block_activation_bytes, embed_activation_bytes, get_config,
                               head_activation_bytes)
 from course_lib.parallel.pipeline.stage import PipelineStage, split_layers, stage_activation_bytes
 from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run

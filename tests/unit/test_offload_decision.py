@@ -1,8 +1,8 @@
 """The decision picture's three added rows (course_lib.memopt.offload.decision) against docs/formulas.md §14.6."""
 import pytest
 
-from course_lib.costmodel import get_link
-from course_lib.fits import Machine, fit_options, gpt_shape
+from course_lib.core.costmodel import get_link
+from course_lib.memopt.memory_fit import Machine, fit_options, gpt_shape
 from course_lib.memopt.offload import decision as D
 from course_lib.parallel.tensor.sequence import paper_activation_bytes
 

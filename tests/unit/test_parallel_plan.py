@@ -2,8 +2,8 @@
 and the fix — and accepts the combinations the composition matrix trains (tests/integration/test_parallelize.py)."""
 import pytest
 
-from course_lib.model import get_config
-from course_lib.parallel_plan import ParallelPlan, PlanError
+from course_lib.core.model import get_config
+from course_lib.composer.plan import ParallelPlan, PlanError
 
 CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib.memory import MemoryTracker
-from course_lib.model import GPT, activation_bytes, get_config
+from course_lib.core.model import GPT, activation_bytes, get_config
 from course_lib.parallel.pipeline import (PipelineStage, boundary_bytes, defer_weight_grads, plan_pipeline,
                                           run_weight_grads, split_layers, stage_activation_bytes)
 

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from course_lib.plots import plot_traffic  # noqa: E402
+from course_lib.core.plots import plot_traffic  # noqa: E402
 
 
 def _ledgers(sent_by_tag: dict, world_size: int):
@@ -79,7 +79,7 @@ def test_explorer_shows_one_default_figure_and_a_control_change_updates_it_in_pl
     from IPython.display import display
     from ipywidgets import Dropdown, IntSlider
 
-    from course_lib.plots import explorer
+    from course_lib.core.plots import explorer
 
     calls = []
 
@@ -115,7 +115,7 @@ def test_a_redraw_that_fails_says_why_in_the_cell_and_a_draw_without_controls_is
     from IPython.display import display
     from ipywidgets import IntSlider
 
-    from course_lib.plots import explorer
+    from course_lib.core.plots import explorer
 
     def draw(n):
         if n > 4:

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
+from course_lib.core.data import ShardedBatches
 from course_lib.memopt import precision as P
-from course_lib.model import GPT, get_config
+from course_lib.core.model import GPT, get_config
 from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
 
 CFG = get_config("nano")
@@ -329,7 +329,7 @@ def test_the_loss_scale_enters_at_the_logits_and_the_reported_loss_is_the_true_o
 
 
 def test_a_deep_copy_scales_with_its_own_scaler_and_a_model_without_blocks_is_no_wrapper():
-    from course_lib.model import blocks_of
+    from course_lib.core.model import blocks_of
     x, y = ShardedBatches(CFG.seq_len, 2).get(0)
     model = P.apply_precision(GPT(CFG), recipe="fp16", scaler=P.DynamicLossScaler(init_scale=4.0))
     twin = copy.deepcopy(model)

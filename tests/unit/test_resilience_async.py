@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
-from course_lib.model import GPT, get_config
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.async_ckpt import CheckpointProbe
 from course_lib.train import Probe, TrainConfig, make_optimizer, run

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.data import ShardedBatches
-from course_lib.model import GPT, get_config
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.state import ResumedBatches, training_state
 from course_lib.train import TrainConfig, make_optimizer, run
@@ -159,8 +159,8 @@ def test_resume_in_a_new_process_is_bit_for_bit(three, tmp_path):
     root2 = _copy(root, tmp_path / "copy")
     script = textwrap.dedent(f"""
         import torch
-        from course_lib.data import ShardedBatches
-        from course_lib.model import GPT, get_config
+        from course_lib.core.data import ShardedBatches
+        from course_lib.core.model import GPT, get_config
         from course_lib.resilience import checkpoint as C
         from course_lib.train import TrainConfig, make_optimizer, run
         torch.set_num_threads(1)

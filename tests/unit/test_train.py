@@ -1,7 +1,7 @@
 import pytest
 
-from course_lib.data import ShardedBatches
-from course_lib.model import GPT, get_config
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
 from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, Probe, TrainConfig, evaluate, make_optimizer,
                               run, sample, train_reference, uniform_loss)
 

@@ -12,7 +12,7 @@
     plots         notebook 07's pictures: one offloaded step, swap plans vs budget, what fits
 
 The cross-technique "what fits" model (`Machine`, `fit_options`, `largest_fitting`, `zero_offload_step_time`) lives
-in `course_lib.fits`; it is re-exported here for notebook 07.
+in `course_lib.memopt.memory_fit`; it is re-exported here for notebook 07.
 
 On a CPU box the "device" is the simulated accelerator (`memory.SimulatedAccelerator`: only bytes placed on the
 device count against its capacity), "host" is memory labelled `placed("host")` and "disk" real files. Every transfer
@@ -27,7 +27,7 @@ disk time is measured. Checked against (docs/formulas.md §6):
     ZeRO-Offload link bytes per step        2Ψ down (bf16 gradients) + 2Ψ up (bf16 parameters) (§6.1)
     SSD tier bytes per step                 12Ψ read + 12Ψ written  (fp32 master, m, v) (§6.6)
 """
-from ...fits import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
+from ..memory_fit import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
 from ...optim import adamw_  # noqa: F401  (the one AdamW step; re-exported: notebook 07 shows it here)
 from .activations import (ActivationOffload, activation_offload_of, apply_activation_offload,
                           offloaded_activation_peak, save_on_cpu_traffic)

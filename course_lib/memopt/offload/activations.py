@@ -26,11 +26,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ...costmodel import Link, get_link
+from ...core.costmodel import Link, get_link
 from ...distributed.comm import Ledger
-from ...fits import DEFAULT_LINK
+from ..memory_fit import DEFAULT_LINK
 from ...memory import carry_tracking, now, saved_tensors_hooks_over
-from ...model import block_activation_bytes, blocks_of, embed_activation_bytes, get_config, head_activation_bytes
+from ...core.model import block_activation_bytes, blocks_of, embed_activation_bytes, get_config, head_activation_bytes
 from .schedule import LinkSchedule, OffloadPass, link_schedule
 from .swaps import StorageSwap, _book, _Packed, _Stash, transfer_log
 

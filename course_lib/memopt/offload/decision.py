@@ -14,8 +14,8 @@ extended by three rows, on the same `fits.Machine`, the same shapes and the same
 """
 from __future__ import annotations
 
-from ...costmodel import get_link
-from ...fits import Machine, fit_options, gpt_shape
+from ...core.costmodel import get_link
+from ..memory_fit import Machine, fit_options, gpt_shape
 from ...parallel.tensor.sequence import paper_activation_bytes
 
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...distributed.comm import Ledger
-from ...files import atomic_write
+from ...core.files import atomic_write
 from ...memory import active_trackers, alloc_category, carry_tracking, fmt_bytes, now, placed
 from .swaps import _book, transfer_log
 

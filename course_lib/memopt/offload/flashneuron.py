@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ...costmodel import Link, Stage, get_link, pipelined_time
+from ...core.costmodel import Link, Stage, get_link, pipelined_time
 from ...memory import alloc_category, fmt_bytes, placed, saved_tensors_hooks_over
-from ...model import block_activation_bytes, blocks_of, get_config
+from ...core.model import block_activation_bytes, blocks_of, get_config
 from ...transports.paths import Move
 from .disk import DiskTier, OffloadDiskError
 from .swaps import transfer_log

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ...costmodel import Link, get_link
-from ...fits import DEFAULT_LINK
+from ...core.costmodel import Link, get_link
+from ..memory_fit import DEFAULT_LINK
 from ...memory import alloc_category, fmt_bytes, now, placed
-from ...model import (block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes,
+from ...core.model import (block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes,
                       stage_bounds)
 from .swaps import _book, transfer_log
 
@@ -232,7 +232,7 @@ def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_b
 def reference_step(cfg, batches, *, seed: int = 0) -> nn.Module:
     """The single-process reference of a Mobius step: a fresh GPT(cfg, seed), each micro-batch's loss ÷ M backward
     in turn (gradients accumulated in that order, as `MobiusExecutor.step` accumulates them)."""
-    from ...model import GPT
+    from ...core.model import GPT
     ref = GPT(cfg, seed=seed)
     for x, y in batches:
         _, loss = ref(x, y)

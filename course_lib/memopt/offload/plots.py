@@ -6,7 +6,7 @@ import dataclasses
 
 import matplotlib.pyplot as plt
 
-from ...plots import plot_memory
+from ...core.plots import plot_memory
 
 
 def _window(report, t0: float, t1: float):

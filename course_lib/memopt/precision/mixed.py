@@ -166,7 +166,7 @@ def backward_gradients(module: nn.Module, idx: torch.Tensor, targets: torch.Tens
     float64 copies, divided by S, of the gradients as the module's dtype held them: 'activations' (the logits and
     every block's output: what backward passes from layer to layer) and 'parameters'. A value that underflowed in
     fp16 is exactly 0 here."""
-    from ...model import lm_loss
+    from ...core.model import lm_loss
     acts = []
     hooks = [b.register_full_backward_hook(lambda mod, gin, gout: acts.append(gout[0].detach().double().flatten()))
              for b in module.blocks]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...costmodel import Link, get_link
-from ...fits import DEFAULT_LINK
+from ...core.costmodel import Link, get_link
+from ..memory_fit import DEFAULT_LINK
 from ...memory import fmt_bytes
 from .trace import Trace
 

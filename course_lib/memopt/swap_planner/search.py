@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...costmodel import Link, get_link
-from ...fits import DEFAULT_LINK
+from ...core.costmodel import Link, get_link
+from ..memory_fit import DEFAULT_LINK
 from .plans import SwapPlan, check_budget, least_memory, simulate
 from .trace import Storage, Trace
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ...costmodel import Link
-from ...fits import DEFAULT_LINK
+from ...core.costmodel import Link
+from ..memory_fit import DEFAULT_LINK
 from ...memory import MemoryTracker, now, saved_tensors_hooks_over, untracked
 from ..offload import StorageSwap, _Packed, transfer_log
 

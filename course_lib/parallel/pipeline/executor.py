@@ -42,7 +42,7 @@ import torch
 
 from ...distributed.mesh import axis_comm
 from ...memory import now
-from ...model import GPTConfig, get_config
+from ...core.model import GPTConfig, get_config
 from .schedules import Op, Schedule, make_schedule
 from .stage import PipelineStage, check_splittable, defer_weight_grads, run_weight_grads, split_layers
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from ...data import ShardedBatches
+from ...core.data import ShardedBatches
 from ...memory import MemoryTracker, alloc_category, register_category, untracked
-from ...model import GPT
+from ...core.model import GPT
 from .executor import Pipeline, plan_pipeline
 from .stage import PipelineStage
 

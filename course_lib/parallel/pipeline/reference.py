@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from ...data import ShardedBatches
-from ...model import GPT, lm_loss
+from ...core.data import ShardedBatches
+from ...core.model import GPT, lm_loss
 from ...train import TrainConfig, make_optimizer
 from .executor import plan_pipeline
 from .stage import PipelineStage

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ...model import GPTConfig, block_activation_bytes, embed_activation_bytes, head_activation_bytes, stage_bounds
+from ...core.model import GPTConfig, block_activation_bytes, embed_activation_bytes, head_activation_bytes, stage_bounds
 
 
 def split_layers(n_layer: int, num_stages: int, layers=None) -> list[tuple[int, int]]:

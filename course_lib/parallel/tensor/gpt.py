@@ -1,5 +1,5 @@
 """`apply_tp(model, mesh)`: the course GPT made tensor-parallel over the mesh's tp axis, from a table of
-(module, style) built on `course_lib.model.TP_PLAN` — Megatron 1D, optionally with sequence parallelism.
+(module, style) built on `course_lib.core.model.TP_PLAN` — Megatron 1D, optionally with sequence parallelism.
 
     style              what happens to the module                                           communication
     vocab_embedding    VocabParallelEmbedding: rows of the (padded) vocabulary              g  (SP: ḡ)
@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ...distributed.mesh import axis_comm
 from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ...model import GPT, TP_PLAN, blocks_of
+from ...core.model import GPT, TP_PLAN, blocks_of
 from ..pipeline.stage import PipelineStage
 from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
                        padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
@@ -149,7 +149,7 @@ class TensorParallelGPT(nn.Module):
         return logits, None if targets is None else self.loss(logits, targets)
 
     def stage_bounds(self, n_stages: int):
-        from ...model import stage_bounds
+        from ...core.model import stage_bounds
         return stage_bounds(self.config.n_layer, n_stages)
 
     def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -175,7 +175,7 @@ def _check_tp_input(model) -> bool:
     if isinstance(model, TensorParallelGPT):
         raise TypeError("this model is tensor-parallel already: apply_tp once")
     inner = f" around {type(model.module).__name__}" if isinstance(getattr(model, "module", None), nn.Module) else ""
-    raise TypeError(f"apply_tp rewrites the course GPT (course_lib.model.GPT) or a PipelineStage of it, got "
+    raise TypeError(f"apply_tp rewrites the course GPT (course_lib.core.model.GPT) or a PipelineStage of it, got "
                     f"{type(model).__name__}{inner}: apply tensor parallelism before data parallelism, ZeRO, "
                     f"precision, recomputation or offload")
 

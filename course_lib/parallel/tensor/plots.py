@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-from ...model import GPT
+from ...core.model import GPT
 from .gpt import tp_plan
 from .grid import grid_of
 from .megatron import padded_vocab

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...memory import saved_tensors_hooks_over
-from ...model import blocks_of
+from ...core.model import blocks_of
 from ...train import Probe
 from .megatron import f, g_sp, gather_seq
 
@@ -165,7 +165,7 @@ def tp_activation_bytes(cfg, batch_size: int, t: int, *, sequence_parallel: bool
                                        multiple of t), the int64 local targets and their bool mask
 
     — the vocab-parallel head never holds the (b, s, V) logits a single process keeps."""
-    from ...model import get_config
+    from ...core.model import get_config
     from .megatron import padded_vocab
     c = get_config(cfg)
     b, s, h = batch_size, c.seq_len, c.d_model

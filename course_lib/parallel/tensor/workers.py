@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh      # PyTorch's own,
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from ...data import ShardedBatches
+from ...core.data import ShardedBatches
 from ...distributed.mesh import Mesh, data_parallel_batches
-from ...model import GPT
+from ...core.model import GPT
 from ...train import GradProbe, LedgerProbe, MemoryProbe, make_optimizer, optimizer_kwargs, run
 from ..zero import apply_zero
 from .gpt import apply_tp, layer_traffic, torch_parallelize_blocks

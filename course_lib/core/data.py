@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 CORPUS_PATH = DATA_DIR / "python_docs.txt"
 CORPUS_SHA256 = "2a95af4ac93f5b719944030ce3769070ddf827d847cba42192afa8da989e5dc4"
 VAL_FRACTION = 0.1

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import all_reduce_ring
-from ..distributed.flat import FlatBuffer
-from ..memory import alloc_category
-from .fsdp_shard import Placed
+from ...distributed.collectives import all_reduce_ring
+from ...distributed.flat import FlatBuffer
+from ...memory import alloc_category
+from .shard import Placed
 
 
 def norms_and_biases(name: str, param: nn.Parameter) -> bool:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import reduce_scatter_ring
-from ..distributed.comm import wait_all
-from ..distributed.flat import FlatBuffer
-from ..memory import alloc_category
+from ...distributed.collectives import reduce_scatter_ring
+from ...distributed.comm import wait_all
+from ...distributed.flat import FlatBuffer
+from ...memory import alloc_category
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:

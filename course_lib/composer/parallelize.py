@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .distributed.mesh import Mesh
-from .parallel_plan import ParallelPlan, PlanError
+from ..distributed.mesh import Mesh
+from .plan import ParallelPlan, PlanError
 
 ORDER = (
     ("context parallel", "decides which tokens of every sequence this rank holds (and their positions): every later "
@@ -58,7 +58,7 @@ class Parallelized:
     applied: list = field(default_factory=list)          # (technique, what it returned) in ORDER
 
     def train(self, steps: int, *, probes=(), keep_params: bool = False, progress: bool = False):
-        from .train import run
+        from ..train import run
         return run(self.model, self.optimizer, self.batches, steps=steps, probes=probes, step_fn=self.step_fn,
                    keep_params=keep_params, progress=progress)
 
@@ -111,7 +111,7 @@ def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train=None, data_paral
     `finish_gradient_synchronization` (the wrapper, else the optimizer); the plan's other techniques apply as
     always. `config`: the GPTConfig of the data and the checks when `model` is not the course GPT (a module of
     one's own, trained data-parallel only)."""
-    from .train import TrainConfig
+    from ..train import TrainConfig
     tc = train or TrainConfig()
     if not isinstance(mesh, Mesh):
         raise TypeError(f"parallelize needs a course_lib.distributed.mesh.Mesh, got {type(mesh).__name__}; build one with "
@@ -137,8 +137,8 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), a
     comm)` reducing the gradients (a wrapper, or a (model, optimizer) pair; None: the plan's bucketed DDP), each
     rank's share of every global batch of `tc.batch_size` sequences in `accum_steps` micro-steps, `tc.steps` steps
     of `train.run`. Returns (train.Run, the wrapped model); compare with `train.train_reference(cfg, tc)`."""
-    from .distributed.mesh import axis_comm
-    from .model import GPT
+    from ..distributed.mesh import axis_comm
+    from ..core.model import GPT
     comm = axis_comm(mesh_or_comm, "dp")
     mesh = mesh_or_comm if isinstance(mesh_or_comm, Mesh) else Mesh(comm, dp=comm.world_size)
     own = model is not None and not hasattr(model, "config")       # a module of one's own: cfg says the data
@@ -149,18 +149,18 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), a
 
 
 def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Parallelized:
-    from . import optim
-    from .memopt.offload import activation_offload_of, apply_activation_offload
-    from .memopt.precision import apply_precision
-    from .memopt.recompute import apply_recompute
-    from .parallel.context import apply_cp
-    from .parallel.dp import apply_dp
-    from .parallel.expert import ExpertDataParallel, apply_ep
-    from .parallel.fsdp import apply_fsdp
-    from .parallel.pipeline import apply_pipeline
-    from .parallel.tensor import apply_tp
-    from .parallel.zero import ShardedOptimizer
-    from .train import forward_backward, optimizer_kwargs
+    from .. import optim
+    from ..memopt.offload import activation_offload_of, apply_activation_offload
+    from ..memopt.precision import apply_precision
+    from ..memopt.recompute import apply_recompute
+    from ..parallel.context import apply_cp
+    from ..parallel.dp import apply_dp
+    from ..parallel.expert import ExpertDataParallel, apply_ep
+    from ..parallel.fsdp import apply_fsdp
+    from ..parallel.pipeline import apply_pipeline
+    from ..parallel.tensor import apply_tp
+    from ..parallel.zero import ShardedOptimizer
+    from ..train import forward_backward, optimizer_kwargs
     applied = []
     M = plan.microbatches
     if plan.cp > 1:                                                           # context parallel
@@ -205,7 +205,7 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Par
         optimizer = optim.make(wrapped.parameters(), recipe if recipe != "fp32" and recipe.loss_scaling else "fp32",
                                scaler=scaler, vote=mesh, **hyper)
     elif plan.offload_optimizer is not None:      # ZeRO-Offload / the SSD tier: each rank offloads its shard
-        from .memopt.offload import OffloadAdam
+        from ..memopt.offload import OffloadAdam
         if group.world_size > 1:
             optimizer = ShardedOptimizer(model.parameters(), OffloadAdam, group, stage=plan.zero,
                                          tier=plan.offload_optimizer, **hyper)
@@ -239,7 +239,7 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Par
 
 
 def _fsdp_options(plan: ParallelPlan, recipe) -> dict:
-    from .parallel.fsdp import norms_and_biases
+    from ..parallel.fsdp import norms_and_biases
     out = {}
     if recipe != "fp32":
         out["compute_dtype"] = recipe.compute_dtype
@@ -253,7 +253,7 @@ def _fsdp_options(plan: ParallelPlan, recipe) -> dict:
 def _expected_bytes(job: Parallelized, model, cfg, pipe, reducer, b: int) -> dict:
     """Bytes this rank sends per step on each mesh axis: the one sum of each technique's own formula
     (`parallel.expected.bytes_per_step`), under the ledger's group names."""
-    from .parallel.expected import bytes_per_step
+    from .expected import bytes_per_step
     return bytes_per_step(cfg, job.plan, job.mesh.coords, micro_batch_size=b,
                           elem=next(model.parameters()).element_size(),
                           pipeline=pipe.plan if pipe is not None else None,

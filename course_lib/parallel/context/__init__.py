@@ -41,8 +41,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..distributed.mesh import axis_comm
-from ..model import activation_bytes, blocks_of, get_config, lm_loss
+from ...distributed.mesh import axis_comm
+from ...core.model import activation_bytes, blocks_of, get_config, lm_loss
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -138,7 +138,7 @@ _SPANS: list = []          # the communicators `block_spans` logs to (innermost 
 def block_spans(comm):
     """While active, ring attention logs every ring step's block computation, forward and backward, in `comm`'s
     ledger: a 'compute' event tagged 'block' from the moment the step's transfer is posted to the moment it is
-    waited for — the window in which the transfer overlaps the computation (`course_lib.plots.plot_timeline`
+    waited for — the window in which the transfer overlaps the computation (`course_lib.core.plots.plot_timeline`
     draws it; the sum of the spans is the rank's attention work)."""
     _SPANS.append(comm)
     try:
@@ -230,7 +230,7 @@ def allgather_attention(q, k, v, mesh_or_comm, *, seq_len: int, layout: str = "z
     to all T keys at once, reduce-scatter dK and dV in backward. Bytes per layer: 2·(cp−1) blocks forward and
     2·(cp−1) backward (`allgather_bytes_per_layer`) — fewer than the ring's — but every rank holds all T keys and
     values, and its (T/cp)×T scores, for backward."""
-    from .tensor.megatron import g_sp
+    from ..tensor.megatron import g_sp
     comm = axis_comm(mesh_or_comm, "cp")
     cp = comm.world_size
     B, nh, n, hs = k.shape
@@ -322,9 +322,9 @@ def _ring_attend(q, k, v, *, comm, layout):
 def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelGPT:
     """Context parallelism over the cp axis: the course GPT (same seed on every rank) as this rank's
     `ContextParallelGPT`. Apply data parallelism over `mesh.group("dp", "cp")` afterwards."""
-    from ..model import GPT
+    from ...core.model import GPT
     if not isinstance(model, GPT):
-        raise TypeError(f"apply_cp splits the course GPT's sequence (course_lib.model.GPT), got "
+        raise TypeError(f"apply_cp splits the course GPT's sequence (course_lib.core.model.GPT), got "
                         f"{type(model).__name__}; apply it before the other techniques")
     return ContextParallelGPT(model, axis_comm(mesh_or_comm, "cp"), layout)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from .memory import CATEGORIES, CATEGORY_COLORS, MemoryReport, fmt_bytes
+from ..memory import CATEGORIES, CATEGORY_COLORS, MemoryReport, fmt_bytes
 
 COLORS = {"compute": "#4C72B0", "send": "#DD8452", "recv": "#55A868", "collective": "#8172B3", "barrier": "#937860",
           "idle": "#EEEEEE"}

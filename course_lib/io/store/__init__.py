@@ -27,10 +27,10 @@ The store's parts, one subject each (every name below is importable from here, a
 """
 from __future__ import annotations
 
-from .store_client import ClientStats, RetryPolicy, S3Access, throughput
-from .store_model import (CHUNK, CLOUD_S3, CREDENTIALS, INJECTED_CLOUD, REGION, CloudModel, ObjectNotFound,
+from .client import ClientStats, RetryPolicy, S3Access, throughput
+from .model import (CHUNK, CLOUD_S3, CREDENTIALS, INJECTED_CLOUD, REGION, CloudModel, ObjectNotFound,
                           StoreError, StoreThrottled, StoreUnavailable)
-from .store_server import Fault, FaultPlan, ObjectStore, ServerHooks, ServerStats
+from .server import Fault, FaultPlan, ObjectStore, ServerHooks, ServerStats
 
 __all__ = ["ObjectStore", "S3Access", "CloudModel", "CLOUD_S3", "INJECTED_CLOUD", "RetryPolicy", "ServerHooks",
            "FaultPlan", "StoreError", "ObjectNotFound", "StoreUnavailable", "StoreThrottled", "throughput",

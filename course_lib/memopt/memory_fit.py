@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costmodel import Link, get_link
-from .parallel.tensor.sequence import paper_activation_bytes
-from .parallel.zero import model_state_bytes
+from ..core.costmodel import Link, get_link
+from ..parallel.tensor.sequence import paper_activation_bytes
+from ..parallel.zero import model_state_bytes
 
 DEFAULT_LINK = "PCIe Gen4 x16"      # the host link every offload model here defaults to (costmodel.PRESETS)
 

@@ -1,7 +1,7 @@
 """Recomputation policies: per op, is what it makes recomputed in backward (True) or kept (False)?
 
 A policy is `policy(func, *args, **kwargs) -> bool`, asked once per op of a checkpointed segment in forward
-(`course_lib.memopt.recompute_hooks.Segment`) — the question
+(`course_lib.memopt.recompute.hooks.Segment`) — the question
 `torch.utils.checkpoint.create_selective_checkpoint_contexts` asks (`torch_policy(policy)` turns one into the other).
 
     recompute_all      full recomputation (Chen et al. 2016): keep only the segment's inputs

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .store_model import CREDENTIALS, REGION, ObjectNotFound, StoreError, StoreThrottled, StoreUnavailable
+from .model import CREDENTIALS, REGION, ObjectNotFound, StoreError, StoreThrottled, StoreUnavailable
 
 
 # =============================================================================================== clients

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .capstone import CONFIG, DTYPES, MOE, Job, run_job
-from .model import get_config
-from .parallel_plan import ParallelPlan
-from .train import TrainConfig
+from . import CONFIG, DTYPES, MOE, Job, run_job
+from ..core.model import get_config
+from ..composer.plan import ParallelPlan
+from ..train import TrainConfig
 
 SURVEY_WORLD = 2
 
@@ -60,8 +60,8 @@ def extra_flops(job: Job) -> int:
     (`plan_extra` over `formula_costs`, exact); ring attention recomputes each K/V block's scores QKᵀ in backward —
     with the zig-zag split every one of the cp blocks of every rank has a visible pair, so each rank recomputes cp
     blocks of 2·b·(T/cp)²·d per layer and micro-batch. Everything else reorders or splits the same matmuls: 0."""
-    from .memopt.recompute import make_plan
-    from .memopt.recompute_plan import formula_costs, plan_extra
+    from ..memopt.recompute import make_plan
+    from ..memopt.recompute.costs import formula_costs, plan_extra
     plan, cfg, B = job.plan, job.cfg, job.tc.batch_size
     if plan.recompute is not None:
         return plan_extra(make_plan(plan.recompute, cfg.n_layer), formula_costs(cfg, B))
@@ -74,7 +74,7 @@ def extra_flops(job: Job) -> int:
 
 def base_flops(cfg, batch_size: int) -> int:
     """One process's matmul FLOPs per training step: 3·(L·block forward + the head's 2·B·T·d·V)."""
-    from .memopt.recompute_plan import formula_costs
+    from ..memopt.recompute.costs import formula_costs
     costs = formula_costs(cfg, batch_size)
     return 3 * (sum(b.fwd_flops for b in costs.blocks) + 2 * batch_size * cfg.seq_len * cfg.d_model * cfg.vocab_size)
 
@@ -91,13 +91,13 @@ def activation_formula(job: Job, coords: dict) -> "tuple[int | None, str]":
     busiest moment — that the course's closed forms predict for `job` on the rank at mesh `coords`, and which
     formula gave it; (None, why) where the course has none (`NO_ACTIVATION_FORMULA`). Every rank holds
     b = batch / (dp · micro-batches) sequences at a time (tp and cp ranks share theirs)."""
-    from .memopt.offload.activations import offloaded_activation_peak
-    from .memopt.recompute import make_plan
-    from .memopt.recompute_plan import formula_costs, pipeline_peaks, plan_peak
-    from .model import activation_bytes
-    from .parallel.context import cp_activation_bytes
-    from .parallel.pipeline.executor import plan_pipeline
-    from .parallel.tensor import tp_activation_bytes
+    from ..memopt.offload.activations import offloaded_activation_peak
+    from ..memopt.recompute import make_plan
+    from ..memopt.recompute.costs import formula_costs, pipeline_peaks, plan_peak
+    from ..core.model import activation_bytes
+    from ..parallel.context import cp_activation_bytes
+    from ..parallel.pipeline.executor import plan_pipeline
+    from ..parallel.tensor import tp_activation_bytes
     plan, cfg = job.plan, job.cfg
     b = job.tc.batch_size // (plan.dp * plan.microbatches)
     mixed = plan.precision in ("bf16", "fp16")
@@ -140,8 +140,8 @@ def run_grid(ctx, job: GridJob) -> dict:
     """Forward + backward of `GridLinear` on this rank (float64): error against nn.Linear, bytes sent, parameters
     and saved activations held (the memory accountant), matmul FLOPs."""
     from torch.utils.flop_counter import FlopCounterMode
-    from .memory import MemoryTracker
-    from .parallel.tensor import GridLinear, make_grid
+    from ..memory import MemoryTracker
+    from ..parallel.tensor import GridLinear, make_grid
     g = torch.Generator().manual_seed(0)
     X, dY, W = (torch.randn(*shape, dtype=torch.float64, generator=g)
                 for shape in ((job.R, job.K), (job.R, job.N), (job.N, job.K)))
@@ -171,7 +171,7 @@ def redundant_worker(ctx, cfg, tc, num_microbatches: int = 2) -> dict:
     rank, the bytes of the replica's gradients it sent, and the elements of its replica. Run under
     `launch(..., allow_deaths=True)`, as `train_redundant` asks."""
     from torch.utils.flop_counter import FlopCounterMode
-    from .resilience.redundant import GRAD_TAG, train_redundant
+    from ..resilience.redundant import GRAD_TAG, train_redundant
     ctx.comm.ledger.reset()
     with FlopCounterMode(display=False) as flops:
         out = train_redundant(ctx, cfg, tc, num_microbatches=num_microbatches, steps=tc.steps)
@@ -182,7 +182,7 @@ def redundant_worker(ctx, cfg, tc, num_microbatches: int = 2) -> dict:
 def redundant_extra_flops(cfg, batch_size: int, layers: list) -> int:
     """What the redundant forwards add per step (formulas §8.4): every stage but the last runs its successor's
     forward on every micro-batch — its blocks and, for the last stage, the head — on the whole batch in all."""
-    from .memopt.recompute_plan import formula_costs
+    from ..memopt.recompute.costs import formula_costs
     costs = formula_costs(cfg, batch_size)
     head = 2 * batch_size * cfg.seq_len * cfg.d_model * cfg.vocab_size
     starts = [sum(layers[:k]) for k in range(len(layers))]

@@ -27,11 +27,11 @@ work: see `state.py`. The cost of a save is δ in Young's interval √(2δM) (do
 """
 from __future__ import annotations
 
-from ..files import atomic_write, disk_full, fsync_dir  # noqa: F401  (re-exported: notebook 10 and lab 10 use them here)
-from .checkpoint_format import (FORMAT, MANIFEST, META, CheckpointError, CheckpointMismatch, CheckpointWarning,  # noqa: F401
+from ...core.files import atomic_write, disk_full, fsync_dir  # noqa: F401  (re-exported: notebook 10 and lab 10 use them here)
+from .fileformat import (FORMAT, MANIFEST, META, CheckpointError, CheckpointMismatch, CheckpointWarning,  # noqa: F401
                                 CorruptCheckpoint, NoCheckpoint, list_checkpoints, step_name)
-from .checkpoint_load import Resumed, _fill, consolidate, find_latest, load, verify  # noqa: F401
-from .checkpoint_save import Snapshot, agree_run_id, persist, save, snapshot  # noqa: F401
+from .load import Resumed, _fill, consolidate, find_latest, load, verify  # noqa: F401
+from .save import Snapshot, agree_run_id, persist, save, snapshot  # noqa: F401
 
 __all__ = ["save", "load", "snapshot", "persist", "verify", "find_latest", "list_checkpoints", "atomic_write",
            "fsync_dir", "disk_full", "consolidate", "agree_run_id", "step_name", "Snapshot", "Resumed", "CheckpointError",

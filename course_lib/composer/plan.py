@@ -53,7 +53,7 @@ class PlanError(ValueError):
 
 
 def _is_recompute_plan(value) -> bool:
-    from .memopt.recompute import RecomputePlan
+    from ..memopt.recompute import RecomputePlan
     return isinstance(value, RecomputePlan)
 
 
@@ -144,16 +144,16 @@ class ParallelPlan:
     def check(self, config, world_size: int, *, batch_size: int | None = None) -> "ParallelPlan":
         """Raise PlanError (one line: the parameter and the fix) unless this plan can train `config` on
         `world_size` ranks with a global batch of `batch_size` sequences. Returns the plan, so calls chain."""
-        from .model import get_config
-        from .parallel.pipeline import plan_pipeline
-        from .parallel.tensor import check_tp
+        from ..core.model import get_config
+        from ..parallel.pipeline import plan_pipeline
+        from ..parallel.tensor import check_tp
         cfg = get_config(config)
         if self.world_size != world_size:
             cp = f" × cp={self.cp}" if self.cp > 1 else ""
             raise PlanError(f"pp × dp × tp = {self.pp} × {self.dp} × {self.tp}{cp} = {self.world_size}, but there "
                             f"are {world_size} ranks; choose sizes whose product is {world_size}")
         if self.cp > 1:
-            from .parallel.context import check_cp
+            from ..parallel.context import check_cp
             try:
                 check_cp(cfg.seq_len, self.cp, self.cp_layout)
             except ValueError as e:

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ..memory import MemoryTracker, fmt_bytes
-from ..model import GPT, block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes
-from ..train import MemoryProbe, Probe
-from .recompute import RecomputePlan, Unit, attention_core, checkpoint, recompute_all
+from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ...memory import MemoryTracker, fmt_bytes
+from ...core.model import GPT, block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes
+from ...train import MemoryProbe, Probe
+from . import RecomputePlan, Unit, attention_core, checkpoint, recompute_all
 
 
 @dataclass(frozen=True)
@@ -320,8 +320,8 @@ def pipeline_peaks(schedule, bounds, costs: ChainCosts, policy: "str | dict" = "
     m micro-batches in flight the peak is (m − 1)·held_k + work_k (1F1B: m = S − k, docs/formulas.md §3.2);
     `schedules.peak_bytes` walks the op lists. The exact form of GPipe's O(N + (L/K)·(N/M)) with
     re-materialization (docs/formulas.md §3.1)."""
-    from ..parallel.pipeline.schedules import peak_bytes
-    from .recompute import make_plan
+    from ...parallel.pipeline.schedules import peak_bytes
+    from . import make_plan
     held, work = {}, {}
     for k in range(schedule.num_virtual_stages):
         chain = stage_chain(costs, bounds, k)

@@ -14,8 +14,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from .store_client import S3Access
-from .store_model import CHUNK, CloudModel, StoreError
+from .client import S3Access
+from .model import CHUNK, CloudModel, StoreError
 
 # werkzeug logs every request at INFO; moto's server is chatty too. The course shows its own counters instead.
 for _name in ("werkzeug", "moto", "botocore", "s3fs", "aiobotocore"):

@@ -23,10 +23,10 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
     `PipelineLayout` (pp > 1), `recompute_plan` the `RecomputePlan` of this rank's blocks (recompute set),
     `reducer` whatever reduces the gradients over dp × cp (or None); `loss_elem` the element size of the logits the
     vocab-parallel loss reduces (None: `elem`; 4 under mixed precision, which upcasts the logits)."""
-    from ..memopt.recompute_plan import rerun_tp_bytes
-    from .context import ring_bytes_per_layer
-    from .pipeline.executor import boundary_bytes
-    from .tensor import tp_bytes_per_step
+    from ..memopt.recompute.costs import rerun_tp_bytes
+    from ..parallel.context import ring_bytes_per_layer
+    from ..parallel.pipeline.executor import boundary_bytes
+    from ..parallel.tensor import tp_bytes_per_step
     M, T, d, b, e = plan.microbatches, cfg.seq_len, cfg.d_model, micro_batch_size, elem
     out = {}
     if plan.pp > 1:

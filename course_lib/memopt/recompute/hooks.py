@@ -13,7 +13,7 @@ Saved-tensor hooks (as `torch.utils.checkpoint(use_reentrant=False)`), plus a re
               output and the segment lets go of it; every other op returns an empty stand-in; the rerun stops
               after the last op a ticket needs (early stop). A recomputed tensor is let go once handed back.
 
-Policies: `course_lib.memopt.recompute_policies`; plans over a model's blocks: `course_lib.memopt.recompute`.
+Policies: `course_lib.memopt.recompute.policies`; plans over a model's blocks: `course_lib.memopt.recompute`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..memory import _active, _Outer, register_category, saved_tensors_hooks_over, untracked
-from .recompute_policies import recompute_all
+from ...memory import _active, _Outer, register_category, saved_tensors_hooks_over, untracked
+from .policies import recompute_all
 
 aten = torch.ops.aten
 RECOMPUTED = register_category("recomputed", "#E8A0A0")    # tensors a rerun made, until backward has used them

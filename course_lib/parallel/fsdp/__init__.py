@@ -31,7 +31,7 @@ backward: reduce-scatter), and saved-tensor hooks store a weight that autograd k
 
 Parameters chosen by `replicate=` / `min_shard_numel=` (e.g. norms and biases) are not sharded: they stay whole
 and identical on every rank, and their gradients are all-reduced once per unit per backward
-(`course_lib.parallel.fsdp_replicate`). P then counts the sharded parameters only; R the replicated ones add
+(`course_lib.parallel.fsdp.replicate`). P then counts the sharded parameters only; R the replicated ones add
 2(N−1)/N·eR bytes sent (ring all-reduce) and e·R + e·R + 8R (+4 per tensor) of model states, in full on every rank.
 
 Checked against (P = Σ over units of N·L: the trainable parameters with each one padded to N·c rows; e bytes per
@@ -48,13 +48,13 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
-from ..distributed.flat import broadcast_tensors
-from ..distributed.mesh import axis_comm
-from ..memory import saved_tensors_hooks_over
-from .fsdp_replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
-from .fsdp_replicate import norms_and_biases  # noqa: F401  (re-exported: `FSDP(..., replicate=norms_and_biases)`)
-from .fsdp_shard import ShardedGroup, _Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
+from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ...distributed.flat import broadcast_tensors
+from ...distributed.mesh import axis_comm
+from ...memory import saved_tensors_hooks_over
+from .replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
+from .replicate import norms_and_biases  # noqa: F401  (re-exported: `FSDP(..., replicate=norms_and_biases)`)
+from .shard import ShardedGroup, _Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
 
 
 def default_units(module: nn.Module) -> list:

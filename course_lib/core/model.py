@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 256     # byte-level tokenizer (course_lib.data)
+    vocab_size: int = 256     # byte-level tokenizer (course_lib.core.data)
     seq_len: int = 64         # context length T
     n_layer: int = 2          # L
     n_head: int = 2
@@ -31,7 +31,7 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = False  # share the token embedding with the LM head (GPT-2 does)
     dropout: float = 0.0       # GPT-2's four dropouts (embedding, attention, two residual); 0 = none, as before
-    n_expert: int = 0          # > 0: every block's MLP is a mixture of experts (course_lib.moe, notebook 12)
+    n_expert: int = 0          # > 0: every block's MLP is a mixture of experts (course_lib.core.moe, notebook 12)
     top_k: int = 1             # experts per token
     capacity_factor: float = 1.25   # slots per expert = ⌈factor · k · tokens / E⌉ per group
     aux_loss_coef: float = 0.01     # weight of the load-balancing loss in the training loss (Switch: 0.01)

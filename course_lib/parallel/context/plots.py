@@ -1,20 +1,20 @@
 """Pictures for notebook 12: which K/V block each cp rank holds at each ring step, the router's token counts per
 expert, and the bytes and memory per rank of context and expert parallelism as the sizes change (the formulas of
-docs/formulas.md §11–12, from `course_lib.parallel.context` and `course_lib.moe`; nothing is computed twice here).
+docs/formulas.md §11–12, from `course_lib.parallel.context` and `course_lib.core.moe`; nothing is computed twice here).
 
 `block_spans(comm)` (ring attention's own hook, `course_lib.parallel.context.block_spans`, re-exported here) marks
 each ring step's block computation as a compute span in the traffic ledger — the window between posting the K/V
-transfer and waiting for it — so `course_lib.plots.plot_timeline` can show the transfer overlapping the computation.
+transfer and waiting for it — so `course_lib.core.plots.plot_timeline` can show the transfer overlapping the computation.
 """
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from . import context as C
-from .context import allgather_activation_bytes, ring_activation_bytes  # noqa: F401  (re-exported: notebook 12)
-from .context import block_spans  # noqa: F401  (re-exported: notebook 12 draws with it)
-from .expert import expert_bytes_per_forward
+from .. import context as C
+from . import allgather_activation_bytes, ring_activation_bytes  # noqa: F401  (re-exported: notebook 12)
+from . import block_spans  # noqa: F401  (re-exported: notebook 12 draws with it)
+from ..expert import expert_bytes_per_forward
 
 CMAP = plt.get_cmap("tab10")
 

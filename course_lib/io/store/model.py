@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..costmodel import Link
+from ...core.costmodel import Link
 
 REGION = "us-east-1"
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}   # moto accepts any

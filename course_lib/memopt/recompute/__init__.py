@@ -17,7 +17,7 @@ The package, by subject (every name importable from here):
 Checked against: gradients bitwise equal to no recomputation (dropout on) and to torch's checkpoint; the peak
 the memory accountant sees never above torch's selective checkpoint with the same policy; tensor-parallel models
 (the rerun re-issues the forward's collectives) equal to the model without recomputation and the single-process
-reference; the bytes and FLOPs against the closed forms in `course_lib.memopt.recompute_plan`
+reference; the bytes and FLOPs against the closed forms in `course_lib.memopt.recompute.costs`
 (tests/unit/test_recompute.py, tests/integration/test_recompute*.py).
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..model import blocks_of
-from .recompute_hooks import (RECOMPUTED, CheckpointError, Segment, Ticket, _open, _Recorder, _Replay,  # noqa: F401
+from ...core.model import blocks_of
+from .hooks import (RECOMPUTED, CheckpointError, Segment, Ticket, _open, _Recorder, _Replay,  # noqa: F401
                               _rerunning, checkpoint)
-from .recompute_policies import MATMULS, all_but_matmuls, attention_core, recompute_all, torch_policy
+from .policies import MATMULS, all_but_matmuls, attention_core, recompute_all, torch_policy
 
 KINDS = ("store", "full", "selective")
 POLICIES = ("none", "full", "every", "sqrt", "selective")
@@ -82,7 +82,7 @@ def make_plan(policy: str, n_layer: int, k: int | None = None) -> RecomputePlan:
     """The plan of a named policy over n_layer blocks: 'none', 'full' (each block its own segment), 'every' (segments
     of k blocks: keep the input of every k-th block), 'sqrt' (Chen et al.: round(√n) segments as even as possible)
     or 'selective' (every block, attention core only)."""
-    from ..model import stage_bounds
+    from ...core.model import stage_bounds
     if not isinstance(n_layer, int) or n_layer <= 0:
         raise ValueError(f"n_layer must be a positive integer, got {n_layer!r}")
     if policy == "every":
@@ -143,7 +143,7 @@ def apply_recompute(model, mesh=None, *, policy: "str | RecomputePlan" = "full",
     its segments' inputs. `mesh` is accepted so every `apply_*` reads alike, and not used: the collectives a
     tensor-parallel block reruns are those of its own communicator. Applying again replaces the plan.
     """
-    from .offload import activation_offload_of
+    from ..offload import activation_offload_of
     blocks, cuts = _blocks_and_cuts(model) if blocks is None else (list(blocks), set())
     if any(activation_offload_of(m) is not None for m in [model, *blocks]):
         raise ValueError("activation offload is applied to this model's blocks: recomputation would replay them in "

@@ -14,10 +14,10 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ..files import atomic_write, fsync_dir
-from ..memory import alloc_category, now, placed
-from .checkpoint_format import FORMAT, MANIFEST, META, CheckpointError, _sha256, list_checkpoints, step_name
-from .state import CHECKPOINT, TrainingState, data_position, rng_state, training_state
+from ...core.files import atomic_write, fsync_dir
+from ...memory import alloc_category, now, placed
+from .fileformat import FORMAT, MANIFEST, META, CheckpointError, _sha256, list_checkpoints, step_name
+from ..state import CHECKPOINT, TrainingState, data_position, rng_state, training_state
 
 
 # ============================================================================================ snapshot and persist

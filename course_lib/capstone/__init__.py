@@ -16,7 +16,7 @@ under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expe
 all-to-all bytes from the routed rows (`ep_expected_bytes`, §12); model states are ZeRO's Ψ·(e_p + e_g + K)
 divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
 plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
-grids are in `course_lib.capstone_survey`, the pictures in `course_lib.capstone_plots`.
+grids are in `course_lib.capstone.survey`, the pictures in `course_lib.capstone.plots`.
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed.mesh import Mesh
-from .memopt.recompute_plan import activation_peak
-from .model import GPT, GPTConfig, get_config
-from .parallel_plan import ParallelPlan
-from .parallelize import parallelize
-from .train import LedgerProbe, MemoryProbe, TrainConfig
+from ..distributed.mesh import Mesh
+from ..memopt.recompute.costs import activation_peak
+from ..core.model import GPT, GPTConfig, get_config
+from ..composer.plan import ParallelPlan
+from ..composer.parallelize import parallelize
+from ..train import LedgerProbe, MemoryProbe, TrainConfig
 
 GROUPS = ("pp", "dp", "cp", "tp", "ep", "edp", "dp×cp")
 STATES = ("parameters", "gradients", "optimizer")
@@ -74,10 +74,10 @@ def reference_run(job: Job) -> tuple:
     recipe runs through `parallelize` on a world of one rank (its casts and fp32 masters, nothing split); call it
     from the caller, not inside a rank."""
     from torch.utils.flop_counter import FlopCounterMode
-    from .parallel.expert import set_moe_groups
-    from .train import train_reference
+    from ..parallel.expert import set_moe_groups
+    from ..train import train_reference
     if job.plan.precision is not None:
-        from .distributed.launch import launch
+        from ..distributed.launch import launch
         return launch(_single_worker, 1, job, timeout=120)[0]
     with _default_dtype(DTYPES[job.dtype]):
         model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
@@ -106,8 +106,8 @@ def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
     outside the ledger — and in backward the dispatch and combine rows once more. dp and edp: one ring all-reduce per
     parameter, replicated ones over dp, expert ones over edp (`reduce_expert_parallel_grads`)."""
     import torch.distributed as dist
-    from .distributed.collective_bytes import ring_all_reduce_bytes
-    from .parallel.expert import ExpertParallelMoE, expert_bytes_per_forward, is_expert_param
+    from ..distributed.collective_bytes import ring_all_reduce_bytes
+    from ..parallel.expert import ExpertParallelMoE, expert_bytes_per_forward, is_expert_param
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     mine = [rows for m in layers for rows in m.sent_rows]                   # (layer, forward) -> rows per ep rank
     everyone = [None] * dist.get_world_size()
@@ -146,8 +146,8 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
     scalar of the default dtype). m, v and the counts exist once a step was taken: fp16's loss scaler skips the
     steps whose gradients overflowed (`layout['stepped']`). Optimizer offload moves the whole optimizer off the
     device."""
-    from .memopt.precision.recipes import get_recipe
-    from .parallel.zero import model_state_bytes
+    from ..memopt.precision.recipes import get_recipe
+    from ..parallel.zero import model_state_bytes
     if plan.precision is None:
         e_c, master, e_s = model_elem, 0, model_elem
     else:
@@ -172,7 +172,7 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
 def _layout(p) -> dict:
     """P (what ZeRO shards, padded to the dp group), P_opt (what the optimizer steps), K (its tensors), psi (the
     trainable elements this rank holds, as the model holds them)."""
-    from .parallel.zero import ShardedOptimizer
+    from ..parallel.zero import ShardedOptimizer
     opt, held = p.optimizer, [t for _, t in p.named_parameters() if t.requires_grad]
     psi = sum(t.numel() for t in held)
     scaler = next((getattr(o, "scaler", None) for name, o in p.applied if name == "precision"), None)
@@ -242,8 +242,8 @@ def _saved_peak(report) -> int:
 
 
 def _checkpoint_probe(job: Job):
-    from .resilience.async_ckpt import CheckpointProbe
-    from .resilience.peer import HostMemory, PeerCheckpointProbe
+    from ..resilience.async_ckpt import CheckpointProbe
+    from ..resilience.peer import HostMemory, PeerCheckpointProbe
     if job.checkpoint == "peer":
         return PeerCheckpointProbe(HostMemory(job.root), every=1)
     return CheckpointProbe(job.root, every=1, asynchronous=job.checkpoint == "async")
@@ -311,8 +311,8 @@ def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2
     then each job trained `steps` steps with nothing attached (no memory tracker, no FLOP counter, no ledger probe),
     then the ring all-reduces again (the load may change while the jobs run). Per job: this rank's seconds of every
     step and the messages it sent per step on each mesh axis (the ledger's count ÷ steps)."""
-    from .distributed.collectives import ring_message_seconds
-    from .distributed.comm import ping_pong
+    from ..distributed.collectives import ring_message_seconds
+    from ..distributed.comm import ping_pong
     cfg, tc = jobs[0].cfg, jobs[0].tc
     block = GPT(cfg.replace(n_layer=1), seed=tc.seed).blocks[0]
     x = torch.randn(max(tc.batch_size // ctx.world_size, 1), cfg.seq_len, cfg.d_model, requires_grad=True)

@@ -50,7 +50,8 @@ def options():
 def check_choice(choose) -> Job:
     with check("choice") as c:
         job = choose(MODEL, cluster(), BATCH, WORLD)
-        c.expect(isinstance(job, Job), f"choose returned a {type(job).__name__}, not a Job",
+        kind = type(job).__name__
+        c.expect(isinstance(job, Job), f"choose returned {'an' if kind[0] in 'AEIOU' else 'a'} {kind}, not a Job",
                  hint="an Option carries its Job as .job: return that")
         try:
             check_job(MODEL, cluster(), job, WORLD)
@@ -71,6 +72,14 @@ def check_choice(choose) -> Job:
                  f"{job.describe()} is the option with the least memory ({mine.memory['total'] / GB:.1f} GB), "
                  f"{mine.seconds:.2f} s/step; the fastest that fits takes {best.seconds:.2f} s",
                  hint="rank the options that fit by modeled step time (Option.seconds), not by memory")
+        slowest = max(fits, key=lambda o: o.seconds)
+        for other, which in ((fits[0], "the first option that fits (in candidates' order)"),
+                             (slowest, "the slowest option that fits")):
+            c.expect(not (mine.job == other.job and mine.seconds > best.seconds),
+                     f"{job.describe()} is {which}: {mine.seconds:.2f} s/step (modeled); the fastest that fits, "
+                     f"{best.job.describe()}, takes {best.seconds:.2f} s",
+                     hint="of the options that fit, return the job of the one with the smallest modeled step time "
+                          "(min over Option.seconds)")
         c.expect(mine.seconds < base.seconds,
                  f"{job.describe()}: {mine.seconds:.2f} s/step (modeled) does not beat the baseline "
                  f"{BASELINE.describe()} at {base.seconds:.2f} s",

@@ -167,6 +167,19 @@ def _blockwise_cause(outs, q, k, v):
         "loop over range(0, T, block): the last block may be shorter than the others")
 
 
+def _low_scores(q, k):
+    """q, k moved so that every score is below −745, where e^S underflows to 0 in float64 (only e^(S − rowmax) is
+    safe there): q + 25, k − 25 (scaled by 0.1 first) give scores ≈ −2·25² = −1250 within a few tens. Returns the
+    pair and the largest score."""
+    low = 25.0 * torch.ones(HS, dtype=torch.float64)
+    ql, kl = q * 0.1 + low, k * 0.1 - low
+    top = ((ql @ kl.transpose(-2, -1)) / math.sqrt(HS)).max().item()
+    if not top < -745:
+        raise RuntimeError(f"lab12's low-score input has a score of {top:.0f}: it must stay below −745 (a bug in the "
+                           f"check)")
+    return ql, kl, top
+
+
 def check_blockwise(blockwise_attention) -> None:
     with check("blockwise") as c:
         T, blocks = 16, (1, 3, 4, 16)
@@ -201,18 +214,14 @@ def check_blockwise(blockwise_attention) -> None:
             gerr = max((a.grad - b.grad).abs().max().item() for a, b in zip(mine[block], ref))
             c.expect(gerr < 1e-10, f"block={block}: gradients differ by {gerr:.2e}",
                      hint="use differentiable torch operations only (no .item(), no in-place on q, k, v)")
-        # every score of every row below −745: e^S underflows to 0 in float64, so only e^(S − rowmax) is safe
-        low = 25.0 * torch.ones(HS, dtype=torch.float64)                  # scores ≈ −2·25² = −1250
-        ql, kl = q * 0.1 + low, k * 0.1 - low
-        scores = (ql @ kl.transpose(-2, -1)) / math.sqrt(HS)
-        assert scores.max().item() < -745, "the low-score input must underflow e^S"
+        ql, kl, top = _low_scores(q, k)
         want = C.reference_attention(ql, kl, v)
         for block in blocks:
             out = blockwise_attention(ql, kl, v, block)
             c.expect(not bool(torch.isnan(out).any()),
-                     f"block={block}: NaN in the output when every score is below −745 ({scores.max().item():.0f} "
-                     f"at most; e^S underflows to 0 in float64), though N(0, 1) scores pass: the running max "
-                     f"started at a finite value (0?) instead of −∞, so o = ℓ = 0 and o/ℓ = 0/0",
+                     f"block={block}: NaN in the output when every score is below −745 (−{-top:.0f} at most; e^S "
+                     f"underflows to 0 in float64), though N(0, 1) scores pass: the running max started at 0 (or "
+                     f"another finite value) instead of −∞, so o = ℓ = 0 and o/ℓ = 0/0",
                      hint="start from m = −∞ (torch.full(…, float('-inf'))): the first block's max then replaces it "
                           "and e^(S − m) never underflows for the row's largest score")
             err = (out - want).abs().max().item()

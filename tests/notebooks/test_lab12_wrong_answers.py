@@ -50,9 +50,9 @@ ALL_BLOCKS = "✘ blockwise: blocks of 1, 3, 4, 16 keys: the output is wrong —
 BLOCKWISE_WRONG = {
     "running_max_started_at_0": ([('torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype)',
                                    "torch.zeros(q.shape[:-1] + (1,), dtype=q.dtype)")],
-                                 "✘ blockwise: block=1: NaN in the output when every score is below −745 (-1240 at "
+                                 "✘ blockwise: block=1: NaN in the output when every score is below −745 (−1240 at "
                                  "most; e^S underflows to 0 in float64), though N(0, 1) scores pass: the running max "
-                                 "started at a finite value (0?) instead of −∞, so o = ℓ = 0 and o/ℓ = 0/0",
+                                 "started at 0 (or another finite value) instead of −∞, so o = ℓ = 0 and o/ℓ = 0/0",
                                  "start from m = −∞"),
     "causal_mask_off_by_one": ([(MASK, "visible = pos[:, None] > keys[None, :]")],
                                ALL_BLOCKS + "it is attention with each query's own key hidden (t > s): the causal "

@@ -146,7 +146,7 @@ def _toy_worker(ctx, plan, batch, reference, seed):
     cfg = get_config("nano", **TOY)
     tc = TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3, seed=seed)
     mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, tp=plan.tp)
-    with parallelize(GPT(cfg, seed=tc.seed).double(), mesh, plan, train=tc) as job:
+    with parallelize(GPT(cfg, seed=tc.seed).double(), mesh, plan, train_config=tc) as job:
         run = job.train(STEPS, keep_params=True)
         err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
     return {"losses": run.losses, "err": err, "dp": mesh.dp_rank}

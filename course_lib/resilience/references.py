@@ -42,7 +42,8 @@ from ..core.data import ShardedBatches
 from ..core.model import GPT, get_config
 from ..distributed.mesh import data_parallel_batches
 from ..parallel.zero import apply_zero
-from ..train import TrainConfig, make_optimizer, optimizer_kwargs, run
+from .. import optim
+from ..train import TrainConfig, optimizer_kwargs, run
 from .async_ckpt import CheckpointProbe
 from .checkpoint import list_checkpoints, load, save
 from .failures import KillAt
@@ -54,7 +55,8 @@ TRAIN = TrainConfig(batch_size=12, eps=1e-6)   # splits over 1, 2, 3, 4 and 6 ra
 def _build(ctx, stage, seed):
     """The nano GPT with ZeRO-`stage` (0 = DDP, 3 = FSDP) and this dp rank's batches; `seed` for both."""
     tc = replace(TRAIN, seed=int(seed), data_seed=int(seed))
-    model, opt = apply_zero(GPT(CONFIG, seed=tc.seed), ctx.comm, int(stage), **optimizer_kwargs(tc))
+    model = apply_zero(GPT(CONFIG, seed=tc.seed), ctx.comm, int(stage))
+    opt = optim.build(model, **optimizer_kwargs(tc))
     return model, opt, data_parallel_batches(ctx.comm, CONFIG.seq_len, tc.batch_size, seed=tc.data_seed)
 
 
@@ -105,7 +107,7 @@ def dcp_worker(ctx, path, steps: int = 0, seed: int = 0):
     fully_shard(model, mesh=mesh)
     # fused AdamW: one DTensor op per step instead of ~60 distinct ones, each paying DTensor's first-call sharding
     # propagation in every rank (about a CPU-second per rank); saving and loading build the same optimizer
-    opt = make_optimizer(model.parameters(), TRAIN, functools.partial(torch.optim.AdamW, fused=True))
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_kwargs(TRAIN))
     if steps:
         run(model, opt, data_parallel_batches(ctx.comm, CONFIG.seq_len, TRAIN.batch_size, seed=seed), steps=steps)
         msd, osd = get_state_dict(model, opt)
@@ -261,7 +263,7 @@ def torchft_replica(replica: int, lighthouse: str, steps: int, kill_step: int, l
     while standby and not Path(work, "go").exists():
         time.sleep(0.01)
     model = GPT(CONFIG, seed=TRAIN.seed)
-    opt = make_optimizer(model.parameters(), TRAIN)
+    opt = optim.build(model, **optimizer_kwargs(TRAIN))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)    # this group's own store
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1, use_async_quorum=False,

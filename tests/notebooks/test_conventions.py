@@ -356,3 +356,24 @@ def test_no_assert_that_cannot_fail(path):
     bad = [f"cell {i}: `{ast.unparse(node.test)[:90]}` — {why}" for i, node, assigned in _assert_tests(nb)
            if (why := _tautology(node.test, constant, assigned, knobs, single, imported))]
     assert not bad, f"{rel(path)} has asserts that cannot fail:\n  " + "\n  ".join(bad)
+
+
+def test_the_tautology_rules_catch_what_notebooks_12_to_14_once_asserted():
+    """Each rule fires on the pattern it names (as notebooks 13 and 14 once had them) and not on a check of a
+    computed value against a list written out (notebook 07: the problems a probe reports)."""
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("FRACTION = 0.6\nSEED = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("from course_lib.parallelize import ORDER\nSTATES = measure()\n"
+                                  "BUDGET = int(FRACTION * STATES)\npeak = run(BUDGET)\nproblems = probe()"),
+        nbformat.v4.new_code_cell("assert peak <= BUDGET < STATES\n"
+                                  "assert [n for n, _ in ORDER][:2] == ['context parallel', 'tensor parallel']\n"
+                                  "assert peak == peak\n"
+                                  "assert set(problems) == {'too small', 'fills up'}\n"
+                                  "assert peak < STATES")])
+    constant, knobs = _constant_names(nb), assigned_names(parameters_cells(nb)[0].source)
+    single, imported = _single_assignments(nb), _imported_names(nb)
+    found = [_tautology(node.test, constant, assigned, knobs, single, imported) for _, node, assigned in
+             _assert_tests(nb)]
+    assert [bool(w) for w in found] == [True, True, True, False, False], found
+    assert "scaled by a knob" in found[0] and "copy written out" in found[1] and "itself" in found[2]

@@ -12,6 +12,8 @@ kWh, and the checkpoint storage it needs. Every price and wattage is a `Prices` 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from .config import CalculatorError
@@ -33,9 +35,9 @@ class Prices:
         for name in ("rent_per_gpu_hour", "purchase_per_gpu", "lifetime_years", "watts", "pue",
                      "electricity_per_kwh"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise CalculatorError(f"Prices.{name} must be > 0, got {v!r}; give the figure with its source and "
-                                      f"date")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+                raise CalculatorError(f"Prices.{name} must be a finite number > 0, got {v!r}; give the figure with "
+                                      f"its source and date")
         if self.pue < 1:
             raise CalculatorError(f"Prices.pue = total facility power / IT power is ≥ 1, got {self.pue}")
 
@@ -71,8 +73,8 @@ def job_cost(step_seconds: float, devices: int, steps: int, prices: Prices, *, u
     """GPU-hours, energy, rented and owned cost of `steps` steps on `devices` devices (module docstring)."""
     for name, v in (("step_seconds", step_seconds), ("devices", devices), ("steps", steps),
                     ("utilisation", utilisation)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise CalculatorError(f"job_cost: {name} must be > 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+            raise CalculatorError(f"job_cost: {name} must be a finite number > 0, got {v!r}")
     if utilisation > 1:
         raise CalculatorError(f"job_cost: utilisation is a fraction of the lifetime, ≤ 1, got {utilisation}")
     gpu_hours = steps * step_seconds * devices / 3600

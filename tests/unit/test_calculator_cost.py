@@ -32,6 +32,6 @@ def test_job_cost_and_break_even():
 def test_a_price_or_wattage_at_or_below_zero_is_refused(field):
     kw = dict(rent_per_gpu_hour=2.0, purchase_per_gpu=25000, lifetime_years=5, watts=700, pue=1.5,
               electricity_per_kwh=0.1)
-    for bad in (0, -1):
-        with pytest.raises(CalculatorError, match=f"Prices.{field} must be > 0"):
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(CalculatorError, match=f"Prices.{field} must be a finite number > 0"):
             Prices(**dict(kw, **{field: bad}))

@@ -38,6 +38,9 @@ class Recipe:
     reduce: int
     activation: int
     source: str
+    gemm_speed: float = 1.0     # the layers' weight GEMMs run at this × the bf16 peak (FP8 on Hopper: 2)
+    stored: int = 2             # bytes per activation element kept for backward (FP8 caching: 1)
+    dispatch: int = 2           # bytes per element of the tokens an all-to-all dispatches to the experts
 
 
 RECIPES = {
@@ -48,9 +51,11 @@ RECIPES = {
     "bf16+fp32grads": Recipe(2, 4, 4, 8, 4, 2, "Llama 3 (arXiv 2407.21783 §3.3.2): bf16 weights, fp32 gradient "
                                                "accumulation and reduce-scatter, fp32 master, fp32 Adam"),
     # DeepSeek-V3 §3.3: FP8 GEMMs; master weights and gradients fp32 (accumulated), AdamW moments in bf16
-    "fp8-deepseek": Recipe(2, 4, 4, 4, 4, 2, "DeepSeek-V3 (arXiv 2412.19437 §3.3): bf16 weights, fp32 gradients "
-                                             "and master, bf16 AdamW moments (FP8 GEMMs are not modelled)"),
-    "fp32": Recipe(4, 4, 0, 8, 4, 4, "fp32 Adam: the weights are their own master copy"),
+    "fp8-deepseek": Recipe(2, 4, 4, 4, 4, 2, "DeepSeek-V3 (arXiv 2412.19437 §3.3): FP8 GEMMs in the layers, bf16 "
+                                             "weights, fp32 gradients and master, bf16 AdamW moments; activations cached and "
+                                             "tokens dispatched in FP8 (§3.3.3, §3.3.4)", gemm_speed=2.0, stored=1,
+                           dispatch=1),
+    "fp32": Recipe(4, 4, 0, 8, 4, 4, "fp32 Adam: the weights are their own master copy", stored=4, dispatch=4),
 }
 PRECISIONS = {k: (r.params, r.grads, r.master + r.optimizer) for k, r in RECIPES.items()}  # ZeRO's three categories
 
@@ -87,8 +92,10 @@ class Decoder:
     biases, untied embeddings, n_kv_head = n_head. `gated_mlp` is SwiGLU (3 matrices). `n_expert` > 0 makes the MLP
     of every layer after the first `dense_layers` a mixture of `n_expert` routed experts of width `expert_ff`
     (default d_ff), `top_k` of which run per token, plus `shared_experts` that every token runs; tokens are
-    dispatched with room for `capacity` × their fair share per expert. `attention_params` states a layer's
-    attention weights where they are not GQA's (e.g. DeepSeek's multi-head latent attention)."""
+    dispatched with room for `capacity` × their fair share per expert, and, with `max_nodes`, to experts on at
+    most that many nodes (DeepSeek-V3's node-limited routing: 4). `attention_params` states a layer's
+    attention weights where they are not GQA's (e.g. DeepSeek's multi-head latent attention), `attention_width` the
+    heads × mean of the query/key and value head widths that QKᵀ and A·V multiply over (default d_model)."""
     name: str
     n_layer: int
     d_model: int
@@ -104,14 +111,16 @@ class Decoder:
     shared_experts: int = 0
     dense_layers: int = 0
     capacity: float = 1.0
+    max_nodes: int | None = None
     attention_params: int | None = None
+    attention_width: int | None = None
     learned_positions: bool = True
     tied_embeddings: bool = False
     dropout: bool = True               # Korthikanti's tables keep 1-byte dropout masks; Llama-style models have none
 
     def __post_init__(self):
         _positive(self, "n_layer", "d_model", "n_head", "vocab", "seq_len", "top_k")
-        _optional_positive(self, "n_kv_head", "d_ff", "expert_ff", "attention_params")
+        _optional_positive(self, "n_kv_head", "d_ff", "expert_ff", "attention_params", "attention_width", "max_nodes")
         _positive(self, "capacity", integer=False)
         for n in ("n_expert", "shared_experts", "dense_layers"):
             v = getattr(self, n)
@@ -140,6 +149,10 @@ class Decoder:
     @property
     def expert_width(self) -> int:
         return self.expert_ff or self.ffn
+
+    @property
+    def score_width(self) -> int:
+        return self.attention_width or self.d_model
 
     @property
     def head_dim(self) -> int:

@@ -18,7 +18,7 @@ their Table 2 falls out (16-bit activations, 1-byte dropout masks, s tokens, b s
 
 With GQA, a gated MLP, MoE (top_k × capacity routed copies plus the shared experts' of the MLP terms, at the
 experts' width), flash attention (no score maps) or CP (each rank holds s/cp tokens) the same terms are scaled;
-with no dropout the masks go.
+with no dropout the masks go; a recipe that caches activations in FP8 (`Recipe.stored` = 1) halves them all.
 
 Pipeline stages may be uneven (`config.stage_layers`): every pipeline rank is counted — its layers (dense and MoE),
 the embedding on the first, the LM head and the logits on the last — and the busiest rank is reported. A rank holds
@@ -152,7 +152,7 @@ def layer_activation_bytes(m: Decoder, job: Job, moe: bool | None = None) -> flo
         dropout=m.dropout, flash=job.flash_attention)
     if job.cp > 1 and "score maps" in terms:       # each rank's s/cp queries attend over all s keys
         terms["score maps"] *= job.cp
-    return sum(terms.values())
+    return sum(terms.values()) * RECIPES[job.precision].stored / ACT     # the terms are counted at 16 bits
 
 
 def in_flight_chunks(schedule: str, S: int, M: int, v: int, r: int) -> int:

@@ -86,9 +86,11 @@ def _splits(n_layer: int, stages: int) -> bool:
 def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload: bool = False,
                recompute=(None, "selective", "full"), sequence_parallel: bool = True, zeros=(1, 3),
                schedules=("1f1b", "interleaved"), max_chunks: int = MAX_CHUNKS, micro_batches=(1, 2, 4, 8),
-               overlap_dp: bool = True):
+               overlap_dp: bool = True, precision: str = "bf16", flash_attention: bool = False,
+               overlap_ep: bool = False):
     """Every Job the planner considers; the keywords restrict it to a technique set (e.g. a 2021 paper's:
-    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False). 'interleaved' is tried with
+    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False; or a recipe and flash attention,
+    the same for every option). 'interleaved' is tried with
     every number of chunks v in 2..max_chunks that divides the layers per stage."""
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.devices_per_node and m.n_head % t == 0 and t <= world]
     cps = [1] + ([c for c in (2, 4, 8, 16) if m.seq_len % (2 * c) == 0] if m.seq_len >= 16384 else [])
@@ -117,7 +119,9 @@ def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload:
                                     yield Job(batch=batch, micro_batch=mb, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
                                               zero=zero, schedule=sched, chunks=v, stage_layers=split,
                                               sequence_parallel=sequence_parallel and tp > 1, recompute=rc,
-                                              offload="optimizer" if offload else None, overlap_dp=overlap_dp)
+                                              offload="optimizer" if offload else None, overlap_dp=overlap_dp,
+                                              precision=precision, flash_attention=flash_attention,
+                                              overlap_ep=overlap_ep)
 
 
 def evaluate(m: Decoder, cluster: Cluster, job: Job, eff: Efficiency = IDEAL, world: int | None = None) -> Option:

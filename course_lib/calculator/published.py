@@ -185,6 +185,42 @@ def llama3_table4() -> list[dict]:
     return out
 
 
+def deepseek_v3() -> dict:
+    """DeepSeek-V3 as the report ran it (data/published/moe.json): 61 layers (3 dense) on PP 16 with the first and
+    last stages lighter (61 = 16·4 − 3; the report does not print its split), EP 64 over 8 nodes inside DP 128,
+    ZeRO-1, no TP, FP8 GEMMs, FP32 gradients and master, BF16 AdamW moments, all-to-alls overlapped (DualPipe). The
+    published step time is *derived*: 180K H800 GPU-hours per trillion tokens (Table 1) at the final batch of
+    15360 × 4096 tokens on 2048 GPUs; DualPipe is modelled by ZB-H1, the nearest schedule the course has."""
+    d = load("moe")["deepseek_v3"]
+    mla = d["mla"]
+    h, a = d["hidden"], d["heads"]
+    qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    attention = (h * mla["q_lora_rank"] + mla["q_lora_rank"] * a * qk + h * (mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
+                 + mla["kv_lora_rank"] * a * (mla["qk_nope_head_dim"] + mla["v_head_dim"]) + a * mla["v_head_dim"] * h)
+    m = Decoder("DeepSeek-V3", d["layers"], h, a, d["vocab"], d["seq_len"], d_ff=d["dense_ffn"], gated_mlp=True,
+                n_expert=d["routed_experts"], top_k=d["top_k"], expert_ff=d["expert_ffn"],
+                shared_experts=d["shared_experts"], dense_layers=d["dense_layers"], attention_params=attention,
+                attention_width=a * (qk + mla["v_head_dim"]) // 2, max_nodes=d["max_nodes"], learned_positions=False,
+                dropout=False)
+    dp = d["gpus"] // d["pp"]
+    job = Job(batch=d["batch"], micro_batch=1, dp=dp, pp=d["pp"], ep=d["ep"], zero=d["zero"], schedule="zb_h1",
+              stage_layers="ends", precision="fp8-deepseek", flash_attention=True, overlap_ep=True)
+    cl = cluster("H800 80GB", "NVLink H800", "InfiniBand NDR 400G", d["gpus"])
+    seconds = d["gpu_hours_per_trillion_tokens"] * 3600 / 1e12 * d["batch"] * d["seq_len"] / d["gpus"]
+    return _row("DeepSeek-V3 report", "2048 H800", m, job, cl, seconds,
+                "step derived from 180K GPU-hours per trillion tokens at the final batch; DualPipe as ZB-H1; "
+                "layer split per stage assumed (ends lighter)")
+
+
+def mixtral() -> Decoder:
+    """Mixtral 8x7B (data/published/moe.json): 32 layers, 8 experts of width 14336, top-2, GQA 32/8 heads. The
+    report states its parameter counts (47B, 13B active) and no training configuration."""
+    d = load("moe")["mixtral"]
+    return Decoder("Mixtral 8x7B", d["layers"], d["hidden"], d["heads"], d["vocab"], 4096, n_kv_head=d["kv_heads"],
+                   gated_mlp=True, n_expert=d["experts"], top_k=d["top_k"], d_ff=d["expert_ffn"],
+                   learned_positions=False, dropout=False)
+
+
 def _llama_params(m: Decoder) -> int:
     from .memory import param_count
     return param_count(m)
@@ -195,7 +231,10 @@ TECHNIQUES = {"Narayanan SC'21 Table 1": dict(recompute=("full",), sequence_para
                                               overlap_dp=False),
               "Narayanan SC'21 Table 2": dict(recompute=("full",), sequence_parallel=False, zeros=(0, 3),
                                               overlap_dp=False),
-              "Korthikanti MLSys'23 Table 5": dict(overlap_dp=False), "Llama 3 Table 4": {}}
+              "Korthikanti MLSys'23 Table 5": dict(overlap_dp=False),
+              "Llama 3 Table 4": dict(precision="bf16+fp32grads", flash_attention=True),
+              "DeepSeek-V3 report": dict(precision="fp8-deepseek", flash_attention=True, overlap_ep=True,
+                                         schedules=("1f1b", "zb_h1"))}
 
 
 def throughput_rows() -> list[dict]:
@@ -228,7 +267,7 @@ def fit(row: dict, field: str, eff: Efficiency = IDEAL, lo: float = 1e-6, hi: fl
 
 __all__ = ["load", "link", "cluster", "selene", "meta_h100", "zero_table1", "korthikanti_models",
            "activation_table2", "recompute_overheads", "narayanan_table1", "narayanan_table2", "korthikanti_table5",
-           "llama3_table4", "throughput_rows", "predict", "fit"]
+           "llama3_table4", "deepseek_v3", "mixtral", "throughput_rows", "predict", "fit"]
 
 
 # Each constant is fitted on one row, chosen by what the row is most sensitive to, before looking at any other row:

@@ -4,14 +4,16 @@ stated figures, and the only free numbers are the `Efficiency` constants, each f
 
 FLOPs per token (forward; Narayanan et al. SC'21 eq. 2–3 generalised to GQA, gated MLPs and MoE):
 
-    per layer   2·(Q, K, V, O and active MLP weights: top_k routed + shared experts) + 4·s·d (QKᵀ and A·V)
+    per layer   2·(Q, K, V, O and active MLP weights: top_k routed + shared experts) + 4·s·w (QKᵀ and A·V;
+                w = d, or the heads' width where it differs, as in DeepSeek's MLA)
     LM head     2·d·V
     model       3 × forward                                     (MFU counts these; Korthikanti et al. §6)
     hardware    + one more forward of the layers (full recomputation) or + 4·s·d per layer (selective) (HFU)
 
 Step = pipeline time + exposed communication, where, per micro-batch, virtual stage k takes
 
-    t_k         its layers' hardware FLOPs (and the head's on the last stage) ÷ (tp·cp·peak·e(d/tp)),
+    t_k         its layers' hardware FLOPs (and the head's on the last stage) ÷ (tp·cp·peak·e(d/tp)), the weight
+                GEMMs at the recipe's `gemm_speed` × peak (FP8: 2),
                 e(x) = e_compute · x/(x + x½), + its layers' score-map traffic ÷ memory bandwidth (no flash
                 attention: softmax and dropout over a·s² elements per layer, `score_map_bytes`)
     pipeline    M·W_max + φ·(Σ_k t_k − W_max)/v,  W_r = Σ of rank r's stages (k ≡ r mod pp), φ = 1 (GPipe,
@@ -24,8 +26,9 @@ Step = pipeline time + exposed communication, where, per micro-batch, virtual st
                 when selective recomputation regathers SP's input), for every layer of the busiest rank
     ep          4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and backward; + 2 when
                 full recomputation reruns the forward), each device sending its tokens' top_k · capacity copies of
-                d activations, (ep − 1)/ep of them to other ranks, over the link the ep group spans
-                (`all_to_all_time`); `overlap_ep` hides them behind another micro-batch's MoE layer (DualPipe)
+                d activations over the link the ep group spans, node-limited routing counted
+                (`moe_all_to_all_seconds`); `overlap_ep` hides them behind another micro-batch's MoE layer
+                (DualPipe) except where they are longer
     pp          2 transfers of b·s·d/tp per micro-batch and chunk (Megatron's scatter/gather)
     cp          all-gather of K and V per layer forward, reduce-scatter of their gradients backward
     dp          ZeRO 0–2: one all-reduce of the dense gradients over dp·cp and one of the experts' over the
@@ -69,12 +72,16 @@ IDEAL = Efficiency()
 
 
 # ============================================================================================ FLOPs
-def layer_forward_flops(m: Decoder, moe: bool, seq_len: int | None = None) -> float:
-    """Forward FLOPs per token of one layer (module docstring)."""
-    s = seq_len or m.seq_len
+def layer_weight_flops(m: Decoder, moe: bool) -> float:
+    """Forward FLOPs per token of one layer's weight GEMMs: 2 × the weights a token meets."""
     lp = layer_params(m, moe)
     active = lp["mlp"] / m.n_expert * m.top_k if moe else lp["mlp"]
-    return 2 * (lp["attention"] + active + lp["shared"] + lp["router"]) + 4 * s * m.d_model
+    return 2 * (lp["attention"] + active + lp["shared"] + lp["router"])
+
+
+def layer_forward_flops(m: Decoder, moe: bool, seq_len: int | None = None) -> float:
+    """Forward FLOPs per token of one layer (module docstring): the weight GEMMs + QKᵀ and A·V over s keys."""
+    return layer_weight_flops(m, moe) + 4 * (seq_len or m.seq_len) * m.score_width
 
 
 def forward_flops_per_token(m: Decoder, seq_len: int | None = None) -> dict:
@@ -82,11 +89,9 @@ def forward_flops_per_token(m: Decoder, seq_len: int | None = None) -> dict:
     moe = m.moe_layers
     layers = (m.n_layer - moe) * layer_forward_flops(m, False, s) + (moe * layer_forward_flops(m, True, s) if moe
                                                                       else 0)
-    return {"layers": layers, "head": 2 * m.d_model * m.vocab, "attention": m.n_layer * 4 * s * m.d_model}
+    return {"layers": layers, "head": 2 * m.d_model * m.vocab, "attention": m.n_layer * 4 * s * m.score_width}
 
 
-def _hardware_extra(m: Decoder, moe: bool, recompute) -> float:
-    return {None: 0, "full": layer_forward_flops(m, moe), "selective": 4 * m.seq_len * m.d_model}[recompute]
 
 
 def flops_per_token(m: Decoder, recompute: str | None = None) -> dict:
@@ -181,16 +186,48 @@ def all_to_all_time(link: Link, nbytes: float, p: int) -> float:
     return link.alpha * (p - 1) + (p - 1) / p * nbytes / link.bandwidth
 
 
+def moe_all_to_all_seconds(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -> float:
+    """Seconds of one MoE layer's all-to-alls per micro-batch on one device: dispatch and combine forward, their
+    gradients backward (+ dispatch and combine again under full recomputation). Each device sends its
+    b·s/cp tokens (÷ tp with SP) × top_k × capacity copies of d elements — dispatched at the recipe's `dispatch`
+    bytes, the rest at its activation bytes. Inside a node the group runs on `intra`; across nodes, on `inter`,
+    where with node-limited routing (`max_nodes`) a token crosses to at most max_nodes nodes (one copy each, the
+    fan-out inside the target node on NVLink, overlapped with it: DeepSeek-V3 §3.2.2) and otherwise every copy
+    bound for another node crosses."""
+    rc = RECIPES[job.precision]
+    local = job.micro_batch * m.seq_len / job.cp / (job.tp if job.sequence_parallel else 1)
+    copies = m.top_k * m.capacity
+    per_elem = [rc.dispatch, rc.activation, rc.activation, rc.activation] + (
+        [rc.dispatch, rc.activation] if job.recompute == "full" else [])
+    stride = AXIS_STRIDE["ep"](job)
+    intra = replace(cluster.intra, bandwidth=cluster.intra.bandwidth * eff.network)
+    if not _spans_nodes(job.ep, stride, cluster):
+        return sum(all_to_all_time(intra, local * copies * m.d_model * e, job.ep) for e in per_elem)
+    inter = axis_link("ep", job, cluster, eff)
+    nodes = job.ep * stride // cluster.devices_per_node
+    crossing = min(copies, m.max_nodes) if m.max_nodes else copies
+    total = 0.0
+    for e in per_elem:
+        over_ib = local * crossing * m.d_model * e * (nodes - 1) / nodes
+        ib = inter.alpha * (nodes - 1) + over_ib / inter.bandwidth
+        nvl = all_to_all_time(intra, local * copies * m.d_model * e, min(job.ep, cluster.devices_per_node))
+        total += max(ib, nvl) if m.max_nodes else ib
+    return total
+
+
 # ============================================================================================ the step
 def stage_times(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -> tuple:
     """Seconds per micro-batch of each virtual stage's compute (module docstring), and (dense, MoE) per layer."""
     tokens = job.micro_batch * m.seq_len / job.cp
     rate = cluster.peak_flops * eff.matmul(m.d_model / job.tp) * job.tp
     smap = layer_score_map_bytes(m, job) / cluster.memory_bandwidth if cluster.memory_bandwidth else 0.0
+    gemm = RECIPES[job.precision].gemm_speed
+    core = 4 * m.seq_len * m.score_width                         # QKᵀ and A·V: bf16 in every recipe
+    passes = {None: (3, 3), "selective": (3, 4), "full": (4, 4)}[job.recompute]   # (weight GEMMs, core) forwards
     per = {}
     for moe in ((False, True) if m.n_expert else (False,)):
-        fwd = layer_forward_flops(m, moe)
-        per[moe] = (3 * fwd + _hardware_extra(m, moe, job.recompute)) * tokens / rate + smap
+        w = layer_weight_flops(m, moe)
+        per[moe] = (passes[0] * w / gemm + passes[1] * core) * tokens / rate + smap
     head = 3 * 2 * m.d_model * m.vocab * tokens / rate
     out, first = [], 0
     for n in stage_layers(m, job):
@@ -234,10 +271,7 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
     # expert parallelism: the all-to-alls of every MoE layer of the busiest rank
     ep_t = 0.0
     if job.ep > 1 and n_moe:
-        link = axis_link("ep", job, cluster, eff)
-        local = b * s_loc / (job.tp if job.sequence_parallel else 1)
-        nbytes = local * m.top_k * m.capacity * m.d_model * act_b
-        a2a = (4 + (2 if job.recompute == "full" else 0)) * all_to_all_time(link, nbytes, job.ep)
+        a2a = moe_all_to_all_seconds(m, job, cluster, eff)
         exposed = max(0.0, a2a - per_layer[True]) if job.overlap_ep else a2a
         ep_t = exposed * n_moe * M
     parts["ep"] = ep_t
@@ -298,5 +332,5 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
 
 
 __all__ = ["Efficiency", "IDEAL", "layer_forward_flops", "layer_score_map_bytes", "score_map_bytes",
-           "score_map_seconds", "forward_flops_per_token", "flops_per_token", "narayanan_flops", "pipeline_time",
-           "pipeline_factor", "axis_link", "all_to_all_time", "stage_times", "step_time"]
+           "score_map_seconds", "layer_weight_flops", "forward_flops_per_token", "flops_per_token", "narayanan_flops", "pipeline_time",
+           "pipeline_factor", "axis_link", "all_to_all_time", "moe_all_to_all_seconds", "stage_times", "step_time"]

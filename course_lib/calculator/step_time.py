@@ -17,7 +17,9 @@ Step = pipeline time + exposed communication, where, per micro-batch, virtual st
                 e(x) = e_compute · x/(x + x½), + its layers' score-map traffic ÷ memory bandwidth (no flash
                 attention: softmax and dropout over a·s² elements per layer, `score_map_bytes`)
     pipeline    M·W_max + φ·(Σ_k t_k − W_max)/v,  W_r = Σ of rank r's stages (k ≡ r mod pp), φ = 1 (GPipe,
-                1F1B, interleaved) or 1/3 (ZB-H1 with M ≥ pp, whose fill is one F of three units). With equal stages
+                1F1B, interleaved) or 1/3 (ZB-H1, whose fill is one F of three units); with fewer micro-batches than
+                stages, interleaved is a flow shop of v·pp stages, Σ t_k + (M − 1)·max t_k, and ZB-H1 takes
+                2/3·M·W_max + (2·Σ t_k − W_max)/3 (its 2M + 2pp − 1 units). With equal stages
                 this is docs/formulas.md §3's makespan exactly; with unequal ones the slowest rank sets the steady
                 state and every stage's time the fill — checked against notebook 05's simulator with per-stage
                 costs in the tests. `compute` is the mean rank's M·W, `bubble` the rest (idle and imbalance).
@@ -149,7 +151,11 @@ def pipeline_time(schedule: str, stage_times, pp: int, M: int) -> float:
     w = max(work)
     if pp == 1:
         return M * w
-    phi = Fraction(1, 3) if schedule == "zb_h1" and M >= pp else 1
+    if M < pp and schedule == "interleaved":        # no micro-batch meets its own next chunk: a flow shop of v·pp
+        return sum(t) + (M - 1) * max(t)
+    if M < pp and schedule == "zb_h1":              # the W ops fill less than a full drain: 2M + 2pp − 1 units
+        return Fraction(2, 3) * M * w + (2 * sum(t) - w) / 3
+    phi = Fraction(1, 3) if schedule == "zb_h1" else 1
     return M * w + phi * (sum(t) - w) / v
 
 

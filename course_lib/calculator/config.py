@@ -41,6 +41,7 @@ class Recipe:
     gemm_speed: float = 1.0     # the layers' weight GEMMs run at this × the bf16 peak (FP8 on Hopper: 2)
     stored: int = 2             # bytes per activation element kept for backward (FP8 caching: 1)
     dispatch: int = 2           # bytes per element of the tokens an all-to-all dispatches to the experts
+    gemm_bytes: int = 2         # bytes per element a weight GEMM reads and writes (FP8: 1)
 
 
 RECIPES = {
@@ -54,8 +55,9 @@ RECIPES = {
     "fp8-deepseek": Recipe(2, 4, 4, 4, 4, 2, "DeepSeek-V3 (arXiv 2412.19437 §3.3): FP8 GEMMs in the layers, bf16 "
                                              "weights, fp32 gradients and master, bf16 AdamW moments; activations cached and "
                                              "tokens dispatched in FP8 (§3.3.3, §3.3.4)", gemm_speed=2.0, stored=1,
-                           dispatch=1),
-    "fp32": Recipe(4, 4, 0, 8, 4, 4, "fp32 Adam: the weights are their own master copy", stored=4, dispatch=4),
+                           dispatch=1, gemm_bytes=1),
+    "fp32": Recipe(4, 4, 0, 8, 4, 4, "fp32 Adam: the weights are their own master copy", stored=4, dispatch=4,
+                   gemm_bytes=4),
 }
 PRECISIONS = {k: (r.params, r.grads, r.master + r.optimizer) for k, r in RECIPES.items()}  # ZeRO's three categories
 
@@ -189,11 +191,16 @@ class Cluster:
     num_devices: int = 1 << 30         # how many there are (the planner stays within it)
     watts: float | None = None
     memory_bandwidth: float | None = None   # device memory (HBM) bytes/s; None: memory-bound ops not modelled
+    comm_sm_share: float = 0.0              # share of the device's SMs a communication kernel takes while it
+                                            # overlaps compute (DeepSeek-V3 §3.5.1: 20 of 132); 0: not stated
 
     def __post_init__(self):
         _positive(self, "devices_per_node", "num_devices")
         _positive(self, "device_memory", "peak_flops", integer=False)
         _optional_positive(self, "watts", "memory_bandwidth", integer=False)
+        v = self.comm_sm_share
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise CalculatorError(f"Cluster {self.name}: comm_sm_share is a fraction of the SMs in [0, 1), got {v!r}")
         object.__setattr__(self, "intra", get_link(self.intra))
         object.__setattr__(self, "inter", get_link(self.inter))
         _check_link(f"Cluster {self.name}", self.intra)

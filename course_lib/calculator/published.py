@@ -211,7 +211,8 @@ def deepseek_v3() -> dict:
     dp = d["gpus"] // d["pp"]
     job = Job(batch=d["batch"], micro_batch=1, dp=dp, pp=d["pp"], ep=d["ep"], zero=d["zero"], schedule="zb_h1",
               stage_layers="ends", precision="fp8-deepseek", flash_attention=True, overlap_ep=True)
-    cl = cluster("H800 80GB", "NVLink H800", "InfiniBand NDR 400G", d["gpus"])
+    cl = replace(cluster("H800 80GB", "NVLink H800", "InfiniBand NDR 400G", d["gpus"]),
+                 comm_sm_share=d["comm_sms"] / d["sms"])
     seconds = d["gpu_hours_per_trillion_tokens"] * 3600 / 1e12 * d["batch"] * d["seq_len"] / d["gpus"]
     return _row("DeepSeek-V3 report", "2048 H800", m, job, cl, seconds,
                 "step derived from 180K GPU-hours per trillion tokens at the final batch; DualPipe as ZB-H1; "

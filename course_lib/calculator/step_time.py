@@ -12,8 +12,10 @@ FLOPs per token (forward; Narayanan et al. SC'21 eq. 2–3 generalised to GQA, g
 
 Step = pipeline time + exposed communication, where, per micro-batch, virtual stage k takes
 
-    t_k         its layers' hardware FLOPs (and the head's on the last stage) ÷ (tp·cp·peak·e(d/tp)), the weight
-                GEMMs at the recipe's `gemm_speed` × peak (FP8: 2),
+    t_k         its layers' weight GEMMs, each on a roofline (`gemm_seconds`): the larger of its FLOPs at
+                peak·e(d/tp) × the recipe's `gemm_speed` (FP8: 2) and the bytes it moves at the memory bandwidth —
+                so a GEMM of few rows (an expert's share of a small micro-batch) is memory-bound; + QKᵀ and A·V
+                (and the head on the last stage) at peak·e(d/tp),
                 e(x) = e_compute · x/(x + x½), + its layers' score-map traffic ÷ memory bandwidth (no flash
                 attention: softmax and dropout over a·s² elements per layer, `score_map_bytes`)
     pipeline    M·W_max + φ·(Σ_k t_k − W_max)/v,  W_r = Σ of rank r's stages (k ≡ r mod pp), φ = 1 (GPipe,
@@ -32,6 +34,10 @@ Step = pipeline time + exposed communication, where, per micro-batch, virtual st
                 (`moe_all_to_all_seconds`); `overlap_ep` hides them behind another micro-batch's MoE layer
                 (DualPipe) except where they are longer
     pp          2 transfers of b·s·d/tp per micro-batch and chunk (Megatron's scatter/gather)
+    optimizer   Adam's step reads and writes per parameter of the device's shard the gradient, master, moments
+                and weights (bf16 recipe: 2 + 2·4 + 2·8 + 2 = 28 bytes) at the memory bandwidth
+    overlap     communication hidden behind compute still holds the SMs its kernels run on: compute slows by the
+                cluster's stated `comm_sm_share` of the hidden time (DeepSeek-V3: 20 of 132 SMs; 0 where unstated)
     cp          all-gather of K and V per layer forward, reduce-scatter of their gradients backward
     dp          ZeRO 0–2: one all-reduce of the dense gradients over dp·cp and one of the experts' over the
                 expert-data-parallel group dp·cp/ep, in the recipe's reduction dtype, overlapped with the last
@@ -222,18 +228,48 @@ def moe_all_to_all_seconds(m: Decoder, job: Job, cluster: Cluster, eff: Efficien
 
 
 # ============================================================================================ the step
+def layer_gemms(m: Decoder, job: Job, moe: bool) -> list:
+    """One layer's weight GEMMs on one device per micro-batch, forward, as (rows, k, n, count): the attention
+    projections and the dense MLP over the device's b·s/cp tokens; in a MoE layer the device's n_expert/ep routed
+    experts, each over the ep group's tokens × top_k ÷ n_expert, the shared experts and the router. Widths ÷ tp.
+    2·Σ rows·k·n·count = `layer_weight_flops` × tokens ÷ tp."""
+    tokens = job.micro_batch * m.seq_len / job.cp
+    d, t = m.d_model, job.tp
+    lp = layer_params(m, moe)
+    mats = 3 if m.gated_mlp else 2
+    out = [(tokens, d, lp["attention"] / d / t, 1)]
+    if not moe:
+        return out + [(tokens, d, mats * m.ffn / t, 1)]
+    out.append((tokens * m.top_k * job.ep / m.n_expert, d, mats * m.expert_width / t, m.n_expert / job.ep))
+    if m.shared_experts:
+        out.append((tokens, d, m.shared_experts * mats * m.expert_width / t, 1))
+    return out + [(tokens, d, m.n_expert / t, 1)]
+
+
+def gemm_seconds(gemms, rate: float, elem: int, bandwidth: float | None) -> float:
+    """A roofline per GEMM: the larger of its FLOPs at `rate` and the bytes it reads and writes (inputs, weights,
+    outputs: elem·(rows·k + k·n + rows·n)) at the device's memory bandwidth (Williams et al., CACM 2009)."""
+    total = 0.0
+    for rows, k, n, count in gemms:
+        flops = 2 * rows * k * n * count / rate
+        moved = elem * (rows * k + k * n + rows * n) * count / bandwidth if bandwidth else 0.0
+        total += max(flops, moved)
+    return total
+
+
 def stage_times(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -> tuple:
     """Seconds per micro-batch of each virtual stage's compute (module docstring), and (dense, MoE) per layer."""
+    rc = RECIPES[job.precision]
     tokens = job.micro_batch * m.seq_len / job.cp
-    rate = cluster.peak_flops * eff.matmul(m.d_model / job.tp) * job.tp
+    rate = cluster.peak_flops * eff.matmul(m.d_model / job.tp)
     smap = layer_score_map_bytes(m, job) / cluster.memory_bandwidth if cluster.memory_bandwidth else 0.0
-    gemm = RECIPES[job.precision].gemm_speed
-    core = 4 * m.seq_len * m.score_width                         # QKᵀ and A·V: bf16 in every recipe
+    core = 4 * m.seq_len * m.score_width * tokens / job.tp / rate    # QKᵀ and A·V: bf16 in every recipe
     passes = {None: (3, 3), "selective": (3, 4), "full": (4, 4)}[job.recompute]   # (weight GEMMs, core) forwards
     per = {}
     for moe in ((False, True) if m.n_expert else (False,)):
-        w = layer_weight_flops(m, moe)
-        per[moe] = (passes[0] * w / gemm + passes[1] * core) * tokens / rate + smap
+        fwd = gemm_seconds(layer_gemms(m, job, moe), rate * rc.gemm_speed, rc.gemm_bytes, cluster.memory_bandwidth)
+        per[moe] = passes[0] * fwd + passes[1] * core + smap
+    rate = rate * job.tp
     head = 3 * 2 * m.d_model * m.vocab * tokens / rate
     out, first = [], 0
     for n in stage_layers(m, job):
@@ -275,11 +311,12 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
     parts["tp"] = tp_t
 
     # expert parallelism: the all-to-alls of every MoE layer of the busiest rank
-    ep_t = 0.0
+    ep_t, hidden = 0.0, 0.0                # hidden: communication overlapped with compute, seconds
     if job.ep > 1 and n_moe:
         a2a = moe_all_to_all_seconds(m, job, cluster, eff)
         exposed = max(0.0, a2a - per_layer[True]) if job.overlap_ep else a2a
         ep_t = exposed * n_moe * M
+        hidden += (a2a - exposed) * n_moe * M
     parts["ep"] = ep_t
 
     # pipeline boundaries
@@ -304,20 +341,38 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
         dense_link = axis_link("dp", job, cluster, eff) if job.dp > 1 else axis_link("cp", job, cluster, eff)
         edp_link = axis_link("edp", job, cluster, eff)
         per_mb_compute = makespan / M
-        worst = 0.0
+        worst, worst_hidden = 0.0, 0.0
         for r in range(job.pp):
             dense, expert = rank_params(m, job, r)
             if job.zero == 3:
                 comm_mb = 3 * (ring_all_gather_time(dense_link, dense * rc.params, N)
-                               + ring_all_gather_time(edp_link, expert * rc.params, N // job.ep))
+                               + (ring_all_gather_time(edp_link, expert * rc.params, N // job.ep) if expert else 0))
                 t = M * max(0.0, comm_mb - per_mb_compute)
+                h = M * comm_mb - t
             else:
                 comm = (ring_all_reduce_time(dense_link, dense * rc.reduce, N)
-                        + ring_all_reduce_time(edp_link, expert * rc.reduce, N // job.ep))
+                        + (ring_all_reduce_time(edp_link, expert * rc.reduce, N // job.ep) if expert else 0))
                 t = max(0.0, comm - per_mb_compute * 2 / 3) if job.overlap_dp else comm
-            worst = max(worst, t)
+                h = comm - t
+            if t > worst or (t == worst and h > worst_hidden):
+                worst, worst_hidden = t, h
         dp_t = worst
+        hidden += worst_hidden
     parts["dp"] = dp_t
+
+    # the optimizer step: the bytes Adam reads and writes for this device's shard at the memory bandwidth
+    opt_t = 0.0
+    if cluster.memory_bandwidth and not job.offload:
+        per_param = rc.grads + 2 * (rc.master or rc.params) + 2 * rc.optimizer + (rc.params if rc.master else 0)
+        shard = 0.0
+        for r in range(job.pp):
+            dense, expert = rank_params(m, job, r)
+            shard = max(shard, dense / (N if job.zero >= 1 else 1) + expert / (N // job.ep if job.zero >= 1 else 1))
+        opt_t = per_param * shard / cluster.memory_bandwidth
+    parts["optimizer"] = opt_t
+
+    # compute slowed while communication it overlaps holds the device's SMs (where the cluster states the share)
+    parts["overlap"] = cluster.comm_sm_share * hidden
 
     # optimizer offload: the weights go down and the gradients up the host link each step (ZeRO-Offload, §6)
     off_t = 0.0
@@ -339,4 +394,4 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
 
 __all__ = ["Efficiency", "IDEAL", "layer_forward_flops", "layer_score_map_bytes", "score_map_bytes",
            "score_map_seconds", "layer_weight_flops", "forward_flops_per_token", "flops_per_token", "narayanan_flops", "pipeline_time",
-           "pipeline_factor", "axis_link", "all_to_all_time", "moe_all_to_all_seconds", "stage_times", "step_time"]
+           "pipeline_factor", "axis_link", "all_to_all_time", "moe_all_to_all_seconds", "layer_gemms", "gemm_seconds", "stage_times", "step_time"]

@@ -50,11 +50,12 @@ e_network. Every entry point goes through `config.validate`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from ..costmodel import Link, ring_all_gather_time, ring_all_reduce_time
-from .config import RECIPES, Cluster, Decoder, Job, validate
+from .config import RECIPES, CalculatorError, Cluster, Decoder, Job, validate
 from .memory import layer_params, param_count, rank_params, ranks, stage_layers
 
 
@@ -68,6 +69,14 @@ class Efficiency:
     network: float = 1.0
     half_width: float = 0.0
     fitted_on: tuple = ()
+
+    def __post_init__(self):
+        for name, low in (("compute", 0.0), ("network", 0.0), ("half_width", None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or (v <= low if low is not None else v < 0):
+                raise CalculatorError(f"Efficiency.{name} must be a finite number "
+                                      f"{'> 0' if low is not None else '≥ 0'}, got {v!r}")
 
     def matmul(self, width: float) -> float:
         return self.compute * width / (width + self.half_width)

@@ -9,7 +9,7 @@ import pytest
 
 from course_lib.calculator import CalculatorError, Cluster, Decoder, Job, Prices, memory_per_device, plan, validate
 from course_lib.costmodel import Link
-from course_lib.calculator.step_time import step_time
+from course_lib.calculator.step_time import Efficiency, step_time
 
 GPT = Decoder("GPT 1.7B", 24, 2304, 24, 51200, 2048)
 MOE = Decoder("MoE", 24, 2304, 24, 51200, 2048, n_expert=8, top_k=2)
@@ -56,6 +56,9 @@ def test_every_entry_point_refuses_bad_input_with_one_line(model, job, words):
     (lambda: Prices(2.0, 25000, 5, 700, 1.5, math.inf), "electricity_per_kwh must be a finite number > 0"),
     (lambda: Job(batch=8, stage_layers=(3, 3)), "stage_layers=(3, 3)"),
     (lambda: Job(batch=8, precision="fp4"), "use one of"),
+    (lambda: Efficiency(compute=math.nan), "Efficiency.compute must be a finite number > 0"),
+    (lambda: Efficiency(network=0), "Efficiency.network must be a finite number > 0"),
+    (lambda: Efficiency(half_width=-1.0), "Efficiency.half_width must be a finite number ≥ 0"),
 ])
 def test_bad_shapes_clusters_and_prices_are_refused_when_made(make, words):
     with pytest.raises(CalculatorError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:

@@ -53,9 +53,9 @@ RECIPES = {
                                                "accumulation and reduce-scatter, fp32 master, fp32 Adam"),
     # DeepSeek-V3 §3.3: FP8 GEMMs; master weights and gradients fp32 (accumulated), AdamW moments in bf16
     "fp8-deepseek": Recipe(2, 4, 4, 4, 4, 2, "DeepSeek-V3 (arXiv 2412.19437 §3.3): FP8 GEMMs in the layers, bf16 "
-                                             "weights, fp32 gradients and master, bf16 AdamW moments; activations cached and "
-                                             "tokens dispatched in FP8 (§3.3.3, §3.3.4)", gemm_speed=2.0, stored=1,
-                           dispatch=1, gemm_bytes=1),
+                                             "weights, fp32 gradients and master, bf16 AdamW moments; activations "
+                                             "cached and tokens dispatched in FP8 (§3.3.3, §3.3.4)", gemm_speed=2.0,
+                           stored=1, dispatch=1, gemm_bytes=1),
     "fp32": Recipe(4, 4, 0, 8, 4, 4, "fp32 Adam: the weights are their own master copy", stored=4, dispatch=4,
                    gemm_bytes=4),
 }

@@ -201,8 +201,10 @@ def deepseek_v3() -> dict:
     mla = d["mla"]
     h, a = d["hidden"], d["heads"]
     qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
-    attention = (h * mla["q_lora_rank"] + mla["q_lora_rank"] * a * qk + h * (mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
-                 + mla["kv_lora_rank"] * a * (mla["qk_nope_head_dim"] + mla["v_head_dim"]) + a * mla["v_head_dim"] * h)
+    attention = (h * mla["q_lora_rank"] + mla["q_lora_rank"] * a * qk                  # Q: down, then up per head
+                 + h * (mla["kv_lora_rank"] + mla["qk_rope_head_dim"])                  # K, V down + the rope key
+                 + mla["kv_lora_rank"] * a * (mla["qk_nope_head_dim"] + mla["v_head_dim"])   # K, V up per head
+                 + a * mla["v_head_dim"] * h)                                           # output
     m = Decoder("DeepSeek-V3", d["layers"], h, a, d["vocab"], d["seq_len"], d_ff=d["dense_ffn"], gated_mlp=True,
                 n_expert=d["routed_experts"], top_k=d["top_k"], expert_ff=d["expert_ffn"],
                 shared_experts=d["shared_experts"], dense_layers=d["dense_layers"], attention_params=attention,

@@ -402,5 +402,6 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
 
 
 __all__ = ["Efficiency", "IDEAL", "layer_forward_flops", "layer_score_map_bytes", "score_map_bytes",
-           "score_map_seconds", "layer_weight_flops", "forward_flops_per_token", "flops_per_token", "narayanan_flops", "pipeline_time",
-           "pipeline_factor", "axis_link", "all_to_all_time", "moe_all_to_all_seconds", "layer_gemms", "gemm_seconds", "stage_times", "step_time"]
+           "score_map_seconds", "layer_weight_flops", "forward_flops_per_token", "flops_per_token", "narayanan_flops",
+           "pipeline_time", "pipeline_factor", "axis_link", "all_to_all_time", "moe_all_to_all_seconds", "layer_gemms",
+           "gemm_seconds", "stage_times", "step_time"]

@@ -54,7 +54,6 @@ def test_tp_inside_a_node_uses_the_intra_link_and_across_nodes_the_inter_link():
 
 
 def test_layer_gemms_carry_the_layers_flops_and_sit_on_a_roofline():
-    from course_lib.calculator.config import RECIPES
     moe = Decoder("MoE", 4, 1024, 16, 32000, 2048, gated_mlp=True, n_expert=8, top_k=2, shared_experts=1,
                   d_ff=2048, learned_positions=False, dropout=False)
     for m, job in ((GPT, Job(batch=64, dp=8, tp=8)), (moe, Job(batch=64, dp=8, ep=4, tp=2))):

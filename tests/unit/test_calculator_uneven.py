@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from course_lib.calculator import Job, ends_split, memory_per_device
+from course_lib.calculator import ends_split, memory_per_device
 from course_lib.calculator import memory as M
 from course_lib.calculator import published as P
 from course_lib.calculator import step_time as S

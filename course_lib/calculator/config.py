@@ -84,8 +84,10 @@ def _positive(obj, *names, integer=True):
 
 def _optional_positive(obj, *names, integer=True):
     for n in names:
-        if getattr(obj, n) is not None:
-            _positive(obj, n, integer=integer)
+        v = getattr(obj, n)
+        if v is not None and not _number_ok(v, integer):
+            kind = "a positive integer" if integer else "a positive finite number"
+            raise CalculatorError(f"{type(obj).__name__}.{n} must be {kind} or None (the default), got {v!r}")
 
 
 @dataclass(frozen=True)

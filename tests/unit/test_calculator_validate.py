@@ -74,8 +74,10 @@ def test_the_planner_refuses_a_world_beyond_the_cluster_and_non_objects():
 
 
 def test_the_calculator_imports_without_torch_in_under_a_second():
-    code = ("import sys, time; t = time.perf_counter(); import course_lib.calculator; "
-            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    """CPU seconds of the import (what it costs, whatever else the machine runs); measured 0.4 s here, against
+    6–20 s when it pulled in torch."""
+    code = ("import sys, time; t = time.process_time(); import course_lib.calculator; "
+            "print(time.process_time() - t, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     seconds, torch = out.stdout.split()
     assert torch == "False", "course_lib.calculator pulled in torch"

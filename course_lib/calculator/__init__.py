@@ -7,10 +7,11 @@ analytic and *modeled* (docs/formulas.md §15). It composes formulas the course 
                 and `validate`: the one check every entry point goes through, bad input → one line
     memory      bytes per device by category; checkpoint size
     step_time   step_time(): compute, exposed communication per axis, bubble; MFU and HFU; the fitted `Efficiency`
-    published   the papers' tables beside the calculator's values; fitting one constant on one named row
+    published   the papers' tables beside the calculator's values (dense and MoE runs); fitting one constant on
+                one named row; the headline: every row marked fitted, by construction, post-hoc or predicted
     planner     enumerate, drop what does not fit (with why), rank, the decision flow and its explanation,
                 place a given job
-    cost        GPU-hours, rent vs own, break-even utilisation, energy
+    cost        GPU-hours, rent vs own (the GPU, or the whole system), break-even utilisation, energy
     toy         the course's own runs: bytes per axis and model states per rank of a `parallelize` plan, exactly;
                 the toy's step modeled from measured op costs
 """

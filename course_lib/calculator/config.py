@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields, replace
 
 from ..core.costmodel import Link, get_link
 
+# The techniques' own names (parallel.pipeline.schedules.GENERATORS, memopt.recompute.POLICIES, memopt.precision
+# RECIPES): the calculator imports without torch, so it cannot import them; tests/unit/test_vocabulary.py ties these.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
 RECOMPUTE = (None, "selective", "full")
 OFFLOAD = (None, "optimizer", "optimizer+params")

@@ -7,7 +7,8 @@
     python tools/nbfmt.py --from-py draft.py notebooks/05_x.ipynb   py:percent draft -> stored notebook
     python tools/nbfmt.py --to-py notebooks/05_x.ipynb draft.py     stored notebook -> py:percent for editing
 
-Stored form: nbformat 4.5, no outputs, no execution counts, sequential cell ids, cell metadata limited to `tags`,
+Stored form: nbformat 4.5, no outputs, no execution counts, sequential cell ids, cell metadata limited to `tags`
+(and `nbgrader`, which labs/ carries),
 notebook metadata limited to kernelspec, language_info and `course`. kernelspec and language_info are exactly what
 JupyterLab writes into a notebook once the course kernel starts (the kernelspec's name, display name and language;
 the kernel's whole kernel_info language_info): JupyterLab compares them with the stored values, and any difference
@@ -42,8 +43,8 @@ def normalise(nb) -> "nbformat.NotebookNode":
     nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": language_info, **keep})
     for i, cell in enumerate(nb.cells):
         cell.id = f"cell-{i:03d}"
-        tags = cell.get("metadata", {}).get("tags", [])
-        cell.metadata = nbformat.from_dict({"tags": tags} if tags else {})
+        meta = cell.get("metadata", {})      # tags; labs/ cells carry nbgrader's (tools/make_labs.py)
+        cell.metadata = nbformat.from_dict({k: meta[k] for k in ("tags", "nbgrader") if meta.get(k)})
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
         cell.pop("attachments", None) if cell.cell_type != "markdown" else None

@@ -30,6 +30,7 @@ help:
 
 install:
 	@PYTHON="$(PYTHON)" TORCH_INDEX="$(TORCH_INDEX)" sh tools/install.sh
+	@$(PY) tools/nbfmt.py --install-git-filter
 
 lab: install
 	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"

@@ -90,8 +90,8 @@ def test_a_reader_can_navigate_search_and_download(small_course):
         assert f'href="{page}"' in lecture, f"the sidebar of notebook 00 should link {page}"
     assert re.search(r'class="[^"]*left-prev[^"]*"[^>]*href="../index.html"|href="../index.html"[^>]*class="[^"]*'
                      r'left-prev', lecture), "previous: the contents"
-    assert re.search(r'href="01_next.html"[^>]*class="[^"]*right-next|class="[^"]*right-next[^"]*"[^>]*'
-                     r'href="01_next.html"', lecture), "next: notebook 01"
+    assert re.search(r'href="../labs/lab00_tiny.html"[^>]*class="[^"]*right-next|class="[^"]*right-next[^"]*"[^>]*'
+                     r'href="../labs/lab00_tiny.html"', lecture), "next: the lecture's lab"
     second = _page(out, "notebooks/01_next.html")
     assert re.search(r'class="[^"]*page-toc[^"]*"', second) and 'href="#a-section"' in second, "in-page contents"
     assert (out / "search.html").is_file() and re.search(r"\"tini\":\[[^]]*3", (out / "searchindex.js").read_text())

@@ -170,7 +170,7 @@ def git_state(root: Path) -> str:
 
 def contents(lectures: dict[str, str], labs: dict[str, str], ran: str, state: str) -> str:
     """The contents page (MyST): each lecture beside the lab with its number, the formula sheet, the sidebar's
-    toctrees, and when and from what the lectures ran."""
+    toctrees (lecture NN, then lab NN), and when and from what the lectures ran."""
     lab_by_number = {_number(PurePosixPath(d).name): (d, t) for d, t in labs.items()}
     rows = []
     for doc, title in lectures.items():
@@ -197,7 +197,9 @@ def contents(lectures: dict[str, str], labs: dict[str, str], ran: str, state: st
         "",
         "**{ref}`The formula sheet <formulas-sheet>`** — every formula an assert checks, with its paper and section.",
         "",
-        *toctree("Lectures", lectures), *toctree("Labs", labs), *toctree("Reference", ["docs/formulas"]),
+        # in the order a learner goes: each lecture, then its lab (previous/next follow it)
+        *toctree("Lectures and labs", sorted([*lectures, *labs], key=lambda d: (_number(PurePosixPath(d).name), d.startswith("labs/")))),
+        *toctree("Reference", ["docs/formulas"]),
     ])
 
 

@@ -18,11 +18,12 @@ import book  # noqa: E402
 LECTURE = [
     nbformat.v4.new_markdown_cell("# 00 · A tiny lecture\n\nDo [the lab](../labs/lab00_tiny.ipynb) next (its "
                                   "[answers](../solutions/lab00_tiny.ipynb) stay out of the book); the formula is in "
-                                  "[the sheet](../docs/formulas.md#11-the-one-formula): $M = 16\\Psi$, as formulas §1.1 "
-                                  "says (formulas §1.7 has no heading: its link goes to §1). Then notebook 01, and "
-                                  "lab 00; `formulas §1` in code stays as written."),
+                                  "[the sheet](../docs/formulas.md#11-the-one-formula): $M = 16\\Psi$, as "
+                                  "formulas §1.1 says (formulas §1.7 has no heading: its link goes to §1). Then "
+                                  "notebook 01, and lab 00; `formulas §1` in code stays as written."),
     nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\n"
                               "print(f'measured {6.0 * 7 + 1 / 8:.3f} bytes')\n"
+                              "print('as formulas §1.1 says; notebook 01 next')  # formulas §1\n"
                               "fig, ax = plt.subplots(figsize=(2, 2)); ax.plot([0, 1], [1, 0]); plt.show()"),
 ]
 SECOND = [nbformat.v4.new_markdown_cell("# 01 · The next lecture\n\n## A section\n\nBack to notebook 00."),
@@ -44,7 +45,8 @@ def small_course(tmp_path_factory):
     for name, cells in (("00_tiny", LECTURE), ("01_next", SECOND)):
         lecture = nbformat.v4.new_notebook(cells=cells)
         nbformat.write(lecture, root / "notebooks" / f"{name}.ipynb")
-        NotebookClient(lecture, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(root)}}).execute()
+        NotebookClient(lecture, timeout=120, kernel_name="python3",
+                       resources={"metadata": {"path": str(root)}}).execute()
         nbformat.write(lecture, root / "executed" / "notebooks" / f"{name}.ipynb")
     nbformat.write(nbformat.v4.new_notebook(cells=LAB), root / "labs" / "lab00_tiny.ipynb")
     (root / "docs" / "formulas.md").write_text(FORMULAS)
@@ -80,7 +82,13 @@ def test_formulas_and_notebook_mentions_are_links(small_course):
     assert re.search(r'href="01_next.html"[^>]*>.*?notebook 01', lecture, re.S)
     assert re.search(r'href="../labs/lab00_tiny.html"[^>]*>.*?lab 00', lecture, re.S)
     assert "<code class=\"docutils literal notranslate\"><span class=\"pre\">formulas</span>" in lecture, \
-        "a mention in code should stay code"
+        "a mention in inline code should stay code"
+    output = re.search(r'42.125 bytes\s+as <a class="reference internal" href="../docs/formulas.html#formulas-1-1">'
+                       r'formulas §1.1</a> says; <a class="reference internal" href="../notebooks/01_next.html">'
+                       r'notebook 01</a>', lecture)
+    comment = re.search(r'<span class="c1"># <a class="reference internal" href="../docs/formulas.html#formulas-1">'
+                        r'formulas §1</a></span>', lecture)
+    assert output and comment, "mentions in what a cell printed and in its comments should be links too"
 
 
 def test_a_reader_can_navigate_search_and_download(small_course):

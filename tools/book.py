@@ -36,6 +36,9 @@ EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//)", re.I)     # http:, https:, 
 REMOTE_ASSET = re.compile(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="(?:https?:)?//', re.I)
 MATHJAX = "mathjax/tex-chtml-full.js"       # under _static/: TeX input, HTML output, every TeX extension built in
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"      # a live control: nothing to show in a static page
+# The style sheet IPython's Code display (course_lib.show_source) puts before every listing: 4.7 kB each time, and
+# for `.output_html`, a class the book's pages do not have; the theme's own pygments.css colours `.highlight` once.
+PYGMENTS_STYLE = re.compile(r"<style>pre \{ line-height: 125%; \}.*?</style>", re.S)
 
 
 class BookError(RuntimeError):
@@ -102,6 +105,34 @@ def link_mentions(markdown: str, labels: set[str], docs: dict[tuple[str, str], s
     return "".join(out)
 
 
+def link_listing_mentions(page_html: str, here: str, labels: set[str], docs: dict[tuple[str, str], str]) -> str:
+    """The same links in what Sphinx made of code: comments, docstrings and printed lines in the page's <main> of the
+    page `here` (a document name) name formulas, notebooks and labs too. Text already in a link, inside a tag or
+    split over highlighting spans (inline code) is left as it is."""
+    up = "../" * here.count("/")
+
+    def anchor(href, text):
+        return f'<a class="reference internal" href="{up}{href}">{text}</a>'
+
+    def formulas(m):
+        for label in (formula_label(m[1], m[2]), formula_label(m[1])):
+            if label in labels:
+                return anchor(f"docs/formulas.html#{label}", m[0])
+        return m[0]
+
+    def mention(m):
+        doc = docs.get((m[1].lower(), m[2]))
+        return anchor(f"{doc}.html", m[0]) if doc else m[0]
+
+    def text(part):
+        return MENTION.sub(mention, FORMULA.sub(formulas, part))
+    start, end = page_html.find("<main"), page_html.rfind("</main>")
+    if start < 0 or end < 0:
+        return page_html
+    main = re.split(r"(<a\b.*?</a>|<[^>]+>)", page_html[start:end], flags=re.S)
+    return page_html[:start] + "".join(p if i % 2 else text(p) for i, p in enumerate(main)) + page_html[end:]
+
+
 def repository_links(markdown: str) -> str:
     """Links written for the repository that the book carries under another name: a solution → its lab; the
     README → the contents page."""
@@ -134,7 +165,8 @@ def _number(name: str) -> str:
 
 
 def _prepare(nb, doc: str, labels: set[str], docs: dict, download: str, what: str) -> None:
-    """In place: the notebook as the book shows it (links, the download line under the title, no live widgets)."""
+    """In place: the notebook as the book shows it (links, the download line under the title, no live widgets, no
+    style sheet repeated in each listing)."""
     nb.metadata.pop("widgets", None)
     titled = False
     for cell in nb.cells:
@@ -146,7 +178,10 @@ def _prepare(nb, doc: str, labels: set[str], docs: dict, download: str, what: st
                 titled = "{download}" in cell.source
         elif cell.cell_type == "code":
             for out in cell.get("outputs", []):
-                out.get("data", {}).pop(WIDGET_VIEW, None)
+                data = out.get("data", {})
+                data.pop(WIDGET_VIEW, None)
+                if "text/html" in data:
+                    data["text/html"] = PYGMENTS_STYLE.sub("", "".join(data["text/html"]))
     if not titled:
         raise BookError(f"{doc}: no markdown title ('# …') to put the download link under")
 
@@ -157,7 +192,7 @@ def download_line(download: str, what: str) -> str:
 
 
 def git_state(root: Path) -> str:
-    """'commit abc1234 (2026-12-04)' — and '+ uncommitted changes' — or why there is none."""
+    """'commit `abc1234567` of 2026-12-04' (and '+ uncommitted changes' when the tree differs), or why none."""
     def git(*args):
         out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
         return out.stdout.strip() if out.returncode == 0 else None
@@ -198,7 +233,8 @@ def contents(lectures: dict[str, str], labs: dict[str, str], ran: str, state: st
         "**{ref}`The formula sheet <formulas-sheet>`** — every formula an assert checks, with its paper and section.",
         "",
         # in the order a learner goes: each lecture, then its lab (previous/next follow it)
-        *toctree("Lectures and labs", sorted([*lectures, *labs], key=lambda d: (_number(PurePosixPath(d).name), d.startswith("labs/")))),
+        *toctree("Lectures and labs", sorted([*lectures, *labs],
+                                             key=lambda d: (_number(PurePosixPath(d).name), d.startswith("labs/")))),
         *toctree("Reference", ["docs/formulas"]),
     ])
 
@@ -229,7 +265,8 @@ def mathjax_dir() -> Path:
     import importlib.util
     spec = importlib.util.find_spec("sphinx-mathjax-offline")
     if spec is None or not spec.submodule_search_locations:
-        raise BookError("MathJax for offline formulas comes from the sphinx-mathjax-offline package: run `make install`")
+        raise BookError("MathJax for offline formulas comes from the sphinx-mathjax-offline package: "
+                        "run `make install`")
     return Path(list(spec.submodule_search_locations)[0]) / "static" / "mathjax"
 
 
@@ -294,6 +331,12 @@ def build(out: Path, executed: Path, root: Path = ROOT, src: Path | None = None)
     # book theme's translation catalogues (the book is in English).
     for extra in [*(out / "_static").rglob("*.map"), out / "_static" / "locales", out / "_sources"]:
         shutil.rmtree(extra) if extra.is_dir() else extra.unlink(missing_ok=True)
+    labels = formula_sections((src / "docs" / "formulas.md").read_text())
+    names = {("notebook" if d.startswith("notebooks/") else "lab", _number(PurePosixPath(d).name)): d
+             for d in docs if d.startswith(("notebooks/", "labs/"))}
+    for doc in docs:
+        page = out / f"{doc}.html"
+        page.write_text(link_listing_mentions(page.read_text(), doc, labels, names))
     return sorted(f"{d}.html" for d in docs)
 
 

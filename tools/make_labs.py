@@ -26,7 +26,6 @@ Nested or unterminated regions are errors, as is a solution without any region o
 from __future__ import annotations
 
 import argparse
-import copy
 import re
 import shutil
 import sys

@@ -12,10 +12,10 @@
 Stored form: nbformat 4.5, no outputs, no execution counts, sequential cell ids, cell metadata limited to `tags` (and
 `nbgrader`, which labs/ carries), notebook metadata limited to kernelspec, language_info and `course`. kernelspec and
 language_info are exactly what JupyterLab writes into a notebook once the course kernel starts (the kernelspec's
-name, display name and language; the kernel's whole kernel_info language_info): JupyterLab compares them with the stored values, and any difference
-marks an untouched notebook modified. language_info's `version` is the Python that first normalised the file and
-is kept from then on, so normalising on another Python does not rewrite every notebook; only there, JupyterLab
-still updates that one string on open.
+name, display name and language; the kernel's whole kernel_info language_info): JupyterLab compares them with the
+stored values, and any difference marks an untouched notebook modified. language_info's `version` is the Python
+that first normalised the file and is kept from then on, so normalising on another Python does not rewrite every
+notebook; only there, JupyterLab still updates that one string on open.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def normal_form(nb: dict, language_info: dict) -> dict:
                          **{k: meta[k] for k in ("course",) if k in meta}}}
 
 
-def normalise(nb) -> "nbformat.NotebookNode":
+def normalise(nb):
+    """The notebook (a NotebookNode) in stored form, as a new NotebookNode."""
     import nbformat
     language_info = kernel_language_info()
     stored_version = nb.get("metadata", {}).get("language_info", {}).get("version")

@@ -20,7 +20,8 @@ LECTURE = [
                                   "[answers](../solutions/lab00_tiny.ipynb) stay out of the book); the formula is in "
                                   "[the sheet](../docs/formulas.md#11-the-one-formula): $M = 16\\Psi$, as "
                                   "formulas §1.1 says (formulas §1.7 has no heading: its link goes to §1). Then "
-                                  "notebook 01, and lab 00; `formulas §1` in code stays as written."),
+                                  "notebook 01, and lab 00 (docs/formulas.md §1.1 again); `formulas §1` in code "
+                                  "stays as written."),
     nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\n"
                               "print(f'measured {6.0 * 7 + 1 / 8:.3f} bytes')\n"
                               "print('as formulas §1.1 says; notebook 01 next')  # formulas §1\n"
@@ -79,6 +80,7 @@ def test_formulas_and_notebook_mentions_are_links(small_course):
     assert 'id="formulas-1-1"' in formulas and 'id="formulas-1"' in formulas
     assert re.search(r'href="../docs/formulas.html#formulas-1-1"[^>]*>.*?formulas §1\.1', lecture, re.S)
     assert re.search(r'href="../docs/formulas.html#formulas-1"[^>]*>.*?formulas §1\.7', lecture, re.S)
+    assert re.search(r'href="../docs/formulas.html#formulas-1-1"[^>]*>.*?docs/formulas.md §1\.1', lecture, re.S)
     assert re.search(r'href="01_next.html"[^>]*>.*?notebook 01', lecture, re.S)
     assert re.search(r'href="../labs/lab00_tiny.html"[^>]*>.*?lab 00', lecture, re.S)
     assert "<code class=\"docutils literal notranslate\"><span class=\"pre\">formulas</span>" in lecture, \
@@ -174,5 +176,5 @@ def test_every_formulas_and_notebook_mention_in_the_course_becomes_a_link():
     for page, text in texts.items():
         linked = book.link_mentions(text, labels, docs)
         left = book.KEEP.sub("", linked)     # outside code, math, links and headings (a link made is a role: code)
-        plain += [f"{page}: {m[0]}" for m in re.finditer(r"formulas §\d+(\.\d+)?|[Nn]otebook \d\d\b", left)]
+        plain += [f"{page}: {m[0]}" for m in [*book.FORMULA.finditer(left), *book.MENTION.finditer(left)]]
     assert not plain, "mentions left as plain text (no such section or notebook?): " + ", ".join(plain[:20])

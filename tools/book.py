@@ -63,7 +63,7 @@ def page_of(source: str) -> str | None:
 # sidebar too).
 KEEP = re.compile(r"```.*?```|`[^`\n]*`|\$\$.*?\$\$|\$[^$\n]+\$|!?\[[^\]]*\]\([^)]*\)|<!--.*?-->|<[^>\n]+>|^#[^\n]*",
                   re.S | re.M)
-FORMULA = re.compile(r"\bformulas §(\d+)(?:\.(\d+))?")
+FORMULA = re.compile(r"\b(?:docs/)?formulas(?:\.md)? §(\d+)(?:\.(\d+))?")   # formulas §2.2, docs/formulas.md §9
 MENTION = re.compile(r"\b([Nn]otebook|[Ll]ab) (\d\d)\b")
 SECTION = re.compile(r"^(#{2,3}) (?:§(\d+)|(\d+)\.(\d+)) ", re.M)        # "## §2 …", "### 2.2 …" in formulas.md
 
@@ -84,8 +84,9 @@ def label_formula_sections(formulas_md: str) -> str:
 
 
 def link_mentions(markdown: str, labels: set[str], docs: dict[tuple[str, str], str]) -> str:
-    """Turn "formulas §N[.M]" into a link to that section (to §N where N.M has no heading of its own) and
-    "notebook NN" / "lab NN" into a link to that page; docs maps ('notebook' | 'lab', 'NN') to a document name."""
+    """Turn "formulas §N[.M]" (or "docs/formulas.md §N[.M]") into a link to that section (to §N where N.M has no
+    heading of its own) and "notebook NN" / "lab NN" into a link to that page; docs maps ('notebook' | 'lab', 'NN')
+    to a document name."""
     def formulas(m):
         for label in (formula_label(m[1], m[2]), formula_label(m[1])):
             if label in labels:

@@ -25,7 +25,7 @@ help:
 	@echo "make test     set up (first time) and run every test, notebook and lab check"
 	@echo "make labs     regenerate labs/ from solutions/"
 	@echo "make run-all  execute every notebook into build/executed/ and time each (instructor dry run)"
-	@echo "make book     the course as a static HTML site in build/book/ (executes every notebook first)"
+	@echo "make book     the course as a website in build/book/ (executes every notebook first)"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 install:
@@ -50,7 +50,8 @@ labs: install
 run-all: install
 	$(PY) tools/run_all.py
 
-# Executes every notebook (as run-all does), then writes build/book/index.html and its pages; open it from disk.
+# Executes every notebook (as run-all does), then builds the website build/book/ with Sphinx (tools/book.py);
+# open build/book/index.html from disk.
 book: install
 	OMP_NUM_THREADS=1 $(PY) tools/book.py
 

@@ -27,11 +27,12 @@ help:
 	@echo "make unit     lint, then the unit tests only (a minute): the quick loop while editing course_lib"
 	@echo "make labs     regenerate labs/ from solutions/"
 	@echo "make run-all  execute every notebook into build/executed/ and time each (instructor dry run)"
-	@echo "make book     the course as a static HTML site in build/book/ (executes every notebook first)"
+	@echo "make book     the course as a website in build/book/ (executes every notebook first)"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 install:
 	@PYTHON="$(PYTHON)" TORCH_INDEX="$(TORCH_INDEX)" sh tools/install.sh
+	@$(PY) tools/nbfmt.py --install-git-filter
 
 lab: install
 	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"
@@ -57,7 +58,8 @@ labs: install
 run-all: install
 	$(PY) tools/run_all.py
 
-# Executes every notebook (as run-all does), then writes build/book/index.html and its pages; open it from disk.
+# Executes every notebook (as run-all does), then builds the website build/book/ with Sphinx (tools/book.py);
+# open build/book/index.html from disk.
 book: install
 	OMP_NUM_THREADS=1 $(PY) tools/book.py
 

@@ -222,10 +222,13 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), n
     model = GPT(cfg, seed=tc.seed) if model is None else model
     out = apply_zero(model, comm, 0) if wrap is None else wrap(model, comm)
     wrapped, optimizer = out if isinstance(out, tuple) else (out, None)
+    own_step = optimizer is not None and num_microbatches == 1
     if optimizer is None:
         optimizer = optim.build(wrapped, **optimizer_kwargs(tc))
-    if handle_of(wrapped, "data_parallel") is None and wrapped is not model:
-        # a wrapper of one's own reduces the gradients when forward_backward calls it (its default `sync`)
+    if own_step or (handle_of(wrapped, "data_parallel") is None and wrapped is not model):
+        # a wrapper of one's own reduces the gradients when forward_backward calls it (its default `sync`); an
+        # optimizer of one's own that reduces keeps its step() alone when there is nothing to accumulate (the loop
+        # it was written for has no 'sync' phase then)
         step = forward_backward
     else:
         step = step_function(wrapped, optimizer, num_microbatches)

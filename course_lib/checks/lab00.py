@@ -10,8 +10,8 @@ import numbers
 
 import torch
 
-from ..memory import MemoryTracker
 from ..core.model import GPT, activation_bytes, count_parameters, get_config
+from ..memory import MemoryTracker
 from . import check, exercises
 
 # The functions the lab's exercise cells define (tested against the lab), so a check run too early names its cell.

@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-import torch
-
 from ..core.data import ShardedBatches
 from ..core.model import GPT, get_config
 from ..parallel.pipeline import Op, ScheduleError, bubble_formula, bubble_fraction, in_flight, make_schedule, simulate

@@ -19,11 +19,11 @@ import random
 
 import torch
 
+from .. import optim
 from ..core.data import ShardedBatches
+from ..core.model import GPT, get_config
 from ..memopt import precision as P
 from ..memopt import quantize as Q
-from ..core.model import GPT, get_config
-from .. import optim
 from ..train import TrainConfig, optimizer_kwargs, run
 from . import check
 

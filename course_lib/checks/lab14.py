@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.model import GPT, GPTConfig
 from ..memopt.offload import mobius as MB
 from ..memory import SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
-from ..core.model import GPT, GPTConfig
 from . import check, exercises
 
 CFG = GPTConfig(vocab_size=1024, seq_len=8, n_layer=3, n_head=2, d_model=32)   # embedding, head ≫ a block

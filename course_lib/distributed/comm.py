@@ -278,7 +278,7 @@ class Communicator:
         self._log("barrier", "barrier", tag, t0)
 
     # ------------------------------------------------------------------ groups
-    def new_group(self, ranks, name: str) -> "Communicator | None":
+    def new_group(self, ranks, name: str) -> Communicator | None:
         """Sub-communicator over `ranks` (group ranks of this communicator). Every rank must call this, in the
         same order; ranks outside the new group get None. The sub-communicator shares this ledger."""
         ranks = sorted(int(r) for r in ranks)
@@ -289,7 +289,7 @@ class Communicator:
             return None
         return Communicator(group, name=name, ledger=self.ledger)
 
-    def renamed(self, name: str) -> "Communicator":
+    def renamed(self, name: str) -> Communicator:
         """The same group under another name (its traffic is booked under `name` in the shared ledger)."""
         if self.world_size == 1:
             return Communicator(name=name, ledger=self.ledger, solo=True)

@@ -33,7 +33,7 @@ class RankContext:
     backend: str
     device: torch.device
     local_rank: int = 0
-    comm: "object" = field(default=None, repr=False)   # course_lib.distributed.comm.Communicator over the default group
+    comm: object = field(default=None, repr=False)   # course_lib.distributed.comm.Communicator over the default group
 
     @property
     def is_main(self) -> bool:

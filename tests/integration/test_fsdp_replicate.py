@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from course_lib import optim
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.fsdp import FSDP, apply_fsdp, norms_and_biases, shard_rows
-from course_lib import optim
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration

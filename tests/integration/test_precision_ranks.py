@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from course_lib import optim
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.memopt import precision as P
-from course_lib.core.model import GPT, get_config
 from course_lib.parallel.zero import ShardedOptimizer
 from course_lib.train import TrainConfig, optimizer_kwargs, run
 

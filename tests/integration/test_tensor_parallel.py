@@ -7,19 +7,25 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from course_lib.distributed.launch import LaunchError, launch
-from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, GPTConfig
-from course_lib.parallel.tensor import apply_tp
+from course_lib.distributed.mesh import Mesh, data_parallel_batches
+from course_lib.parallel.tensor import (
+    CollectiveLog,
+    LayerActivationProbe,
+    apply_tp,
+    layer_activation_bytes,
+    layer_bytes,
+    layer_traffic,
+    sp_layer_bytes,
+    torch_parallelize_blocks,
+    tp_bytes_per_microbatch,
+)
 from course_lib.parallel.zero import apply_zero
-from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.parallel.tensor import (CollectiveLog, LayerActivationProbe, layer_activation_bytes, layer_traffic,
-                                        layer_bytes, sp_layer_bytes, torch_parallelize_blocks, tp_bytes_per_microbatch)
-from course_lib import optim
-from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run,
-                              train_reference)
+from course_lib.train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 

@@ -105,6 +105,7 @@ def test_the_decision_flow_picture_draws_each_answer_and_fills_what_the_best_opt
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from course_lib.calculator import decision_flow
     from course_lib.capstone.plots import plot_decision_flow
     flow = decision_flow(plan(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency()))

@@ -5,12 +5,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from course_lib.memory import (CATEGORIES, MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError,
-                               alloc_category, carry_tracking, fmt_bytes, parse_bytes, placed, register_category,
-                               saved_tensors_hooks_over)
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config
-from course_lib import optim
+from course_lib.memory import (
+    CATEGORIES,
+    MemoryTracker,
+    SimulatedAccelerator,
+    SimulatedOutOfMemoryError,
+    alloc_category,
+    carry_tracking,
+    fmt_bytes,
+    parse_bytes,
+    placed,
+    register_category,
+    saved_tensors_hooks_over,
+)
 from course_lib.train import TrainConfig, optimizer_kwargs, profile_training_memory
 
 

@@ -4,10 +4,10 @@ gradients, the device peak, the bytes per step and the partition search against 
 import pytest
 import torch
 
-from course_lib.memory import SimulatedAccelerator, SimulatedOutOfMemoryError
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.memopt.offload import mobius as MB
 from course_lib.memopt.offload import mobius_cluster as MC
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.memory import SimulatedAccelerator, SimulatedOutOfMemoryError
 
 CFG = GPTConfig(vocab_size=2048, seq_len=16, n_layer=4, n_head=2, d_model=32)   # embedding and head ≫ a block
 B, M = 1, 2

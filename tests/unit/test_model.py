@@ -2,8 +2,18 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib.core.model import (GPT, PRESETS, TP_PLAN, GPTConfig, count_parameters, get_config, matmul_param_count,
-                              param_count, stage_bounds, train_flops_per_token)
+from course_lib.core.model import (
+    GPT,
+    PRESETS,
+    TP_PLAN,
+    GPTConfig,
+    count_parameters,
+    get_config,
+    matmul_param_count,
+    param_count,
+    stage_bounds,
+    train_flops_per_token,
+)
 
 VARIANTS = [get_config("nano", tie_weights=True), get_config("nano", bias=False),
             get_config("micro", mlp_ratio=2, vocab_size=100, seq_len=50, n_head=8)]

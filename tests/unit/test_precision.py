@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from course_lib.core.data import ShardedBatches
-from course_lib.memopt import precision as P
-from course_lib.core.model import GPT, get_config
 from course_lib import optim
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
+from course_lib.memopt import precision as P
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 CFG = get_config("nano")

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from course_lib.core.data import ShardedBatches
-from course_lib.memopt import quantize as Q
-from course_lib.core.model import GPT, get_config
 from course_lib import optim
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
+from course_lib.memopt import quantize as Q
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -7,8 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from course_lib.resilience.failures import best_interval, daly_interval, expected_goodput, expected_time, \
-    simulate_goodput, young_interval
+from course_lib.resilience.failures import (
+    best_interval,
+    daly_interval,
+    expected_goodput,
+    expected_time,
+    simulate_goodput,
+    young_interval,
+)
 
 
 def test_young_is_the_root_of_the_first_order_waste():

@@ -1,10 +1,21 @@
 import pytest
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
-from course_lib import optim
-from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, Probe, TrainConfig, evaluate, optimizer_kwargs,
-                              run, sample, train_reference, uniform_loss)
+from course_lib.train import (
+    GradProbe,
+    LedgerProbe,
+    MemoryProbe,
+    Probe,
+    TrainConfig,
+    evaluate,
+    optimizer_kwargs,
+    run,
+    sample,
+    train_reference,
+    uniform_loss,
+)
 
 
 def test_reference_training_learns_and_is_deterministic():

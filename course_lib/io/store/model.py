@@ -71,7 +71,7 @@ class CloudModel:
         """c* = B_nic·(α + S/B_conn)/S: requests in flight needed to fill the link (formulas §10.2)."""
         return self.nic_bytes_per_s * self.request_time(nbytes) / nbytes
 
-    def scaled(self, factor: float, name: str | None = None) -> "CloudModel":
+    def scaled(self, factor: float, name: str | None = None) -> CloudModel:
         """Every rate (and so every size that matters, like n½ = α·B_conn) divided by `factor`, times kept: the
         same curves in units `factor` times smaller, small enough for a laptop to serve."""
         return CloudModel(name or f"{self.name}, rates ÷{factor:g}", self.first_byte_s,

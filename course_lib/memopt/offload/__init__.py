@@ -35,10 +35,15 @@ Notebook 14's offload systems, on the same pieces:
     flashneuron     FlashNeuron (Bae et al., FAST'21): chosen layers' activations to an NVMe SSD and back
     decision        the decision picture: notebook 07's techniques with Mobius, vDNN and FlashNeuron (modeled)
 """
-from ..memory_fit import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
 from ...optim import adamw_  # noqa: F401  (the one AdamW step; re-exported: notebook 07 shows it here)
-from .activations import (ActivationOffload, activation_offload_of, apply_activation_offload,
-                          offloaded_activation_peak, save_on_cpu_traffic)
+from ..memory_fit import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
+from .activations import (
+                          ActivationOffload,
+                          activation_offload_of,
+                          apply_activation_offload,
+                          offloaded_activation_peak,
+                          save_on_cpu_traffic,
+)
 from .apply import apply_offload, offload_log
 from .disk import DiskTier, OffloadDiskError, measure_disk
 from .optimizer import TIERS, OffloadAdam

@@ -15,8 +15,8 @@ extended by three rows, on the same `fits.Machine`, the same shapes and the same
 from __future__ import annotations
 
 from ...core.costmodel import get_link
-from ..memory_fit import Machine, fit_options, gpt_shape
 from ...parallel.tensor.sequence import paper_activation_bytes
+from ..memory_fit import Machine, fit_options, gpt_shape
 
 
 def decision_options(psi: float, m: Machine = Machine()) -> dict:
@@ -50,7 +50,7 @@ def decision_options(psi: float, m: Machine = Machine()) -> dict:
     return out
 
 
-def best_option(psi: float, m: Machine = Machine(), *, exclude=()) -> "str | None":
+def best_option(psi: float, m: Machine = Machine(), *, exclude=()) -> str | None:
     """The fastest option that fits (None if none does), leaving out the names that start with any of `exclude`
     (e.g. 'ZeRO-3' on one device)."""
     fits = {k: v for k, v in decision_options(psi, m).items() if v["fits"] and not k.startswith(tuple(exclude))}

@@ -88,7 +88,7 @@ class StorageSwap:
         self._lock = threading.RLock()
         self._stashes: dict[int, _Stash] = {}     # storage key -> stash of the storage living there now
 
-    def stash(self, t: torch.Tensor, group, tag: str) -> "tuple[_Stash, bool]":
+    def stash(self, t: torch.Tensor, group, tag: str) -> tuple[_Stash, bool]:
         """The stash of t's storage, copied to the host (booked as a d2h) if this is its first save; and whether it
         was new."""
         storage = t.untyped_storage()

@@ -12,9 +12,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from .. import context as C
-from . import allgather_activation_bytes, ring_activation_bytes  # noqa: F401  (re-exported: notebook 12)
-from . import block_spans  # noqa: F401  (re-exported: notebook 12 draws with it)
 from ..expert import expert_bytes_per_forward
+from . import (  # noqa: F401  (re-exported: notebook 12)
+    allgather_activation_bytes,
+    block_spans,  # noqa: F401  (re-exported: notebook 12 draws with it)
+    ring_activation_bytes,
+)
 
 CMAP = plt.get_cmap("tab10")
 

@@ -8,7 +8,10 @@ sum `parallelize` checks a composed run against and the capstone's calculator pr
            backward); a pipeline boundary then carries T/cp tokens
     dp     the reducer's own `expected_bytes_sent()` (DDP's buckets, ZeRO-1/2's padded buckets, FSDP's groups:
            once per step, or once per micro-batch where it `reduces_per_microbatch`), under the ledger name of
-           the dp × cp group ('dp', or 'dp×cp' when context parallelism shares the reduction)
+           the dp × cp group ('dp', or 'dp×cp' when context parallelism shares the reduction); with experts
+           `expert.gradient_bytes`: replicated parameters over dp, expert parameters over edp
+    ep     not here: the all-to-all's bytes follow the routing, so `Parallelized.expected_bytes_per_step` adds
+           `expert.ep_bytes_per_step` from the counts each step's routers produced
 
 Nothing here builds or runs a model: the caller hands over the layout facts — the pipeline layout, the
 recomputation plan of the blocks on the rank, the reducer — as built by the techniques themselves.
@@ -42,7 +45,9 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
     if plan.cp > 1:
         layers = pipeline.parts(coords["pp"])["layers"] if pipeline is not None else cfg.n_layer   # blocks here
         out["cp"] = layers * M * sum(ring_bytes_per_layer(b, T, d, plan.cp, e).values())
-    if reducer is not None and hasattr(reducer, "expected_bytes_sent"):
+    if reducer is not None and hasattr(reducer, "expected_bytes_by_group"):      # experts: dp and edp
+        out.update(reducer.expected_bytes_by_group(e))
+    elif reducer is not None and hasattr(reducer, "expected_bytes_sent"):
         per = M if getattr(reducer, "reduces_per_microbatch", False) else 1      # FSDP: every micro-batch
         out[dp_group] = per * reducer.expected_bytes_sent()
     return out

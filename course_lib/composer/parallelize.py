@@ -57,6 +57,22 @@ class Parallelized:
     expected_bytes: dict = field(default_factory=dict)
     applied: list = field(default_factory=list)          # (technique, what it returned) in ORDER
 
+    def expected_bytes_per_step(self, steps: int) -> list:
+        """`expected_bytes` for each of the `steps` steps trained so far — with experts over ep > 1, plus the ep
+        axis's all-to-all bytes from the routing counts each step's routers produced (`expert.ep_bytes_per_step`),
+        which no formula knows before the router has run."""
+        from ..parallel.expert import ep_bytes_per_step
+        out = [dict(self.expected_bytes) for _ in range(steps)]
+        if self.plan.ep > 1:
+            model = next(obj for name, obj in self.applied if name == "expert parallel")
+            elem = next(p for _, p in self.named_parameters()).element_size()
+            ep = ep_bytes_per_step(model, self.mesh["ep"].rank, elem, self.plan.microbatches)
+            if len(ep) != steps:
+                raise ValueError(f"the MoE layers logged {len(ep)} steps of routing, not {steps}")
+            for step, n in zip(out, ep):
+                step[self.mesh["ep"].name] = n
+        return out
+
     def train(self, steps: int, *, probes=(), keep_params: bool = False, progress: bool = False):
         from ..train import run
         return run(self.model, self.optimizer, self.batches, steps=steps, probes=probes, step_fn=self.step_fn,

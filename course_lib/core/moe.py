@@ -15,6 +15,12 @@ parallelism can decide locally what the single process decides):
     aux loss    E · Σ_e f_e · P_e,   f_e = share of the N tokens whose first choice is e,  P_e = mean_n p_{n,e}
                 (Switch eq. 4; minimised, = 1, by a uniform router)
 
+An expert no token reaches (in a group, or in the whole batch) still runs, on zero rows: its parameters get a
+gradient of zeros, not None, so AdamW decays them and moves them by their momentum — Megatron-Core's semantics (its
+grouped GEMM always produces the experts' gradients), and the only one expert parallelism can keep without a global
+vote: a rank whose experts receive no row must still take part in the all-to-all's backward, which it does through
+exactly this zero-row path (`UNUSED`).
+
 `route` returns the plan of a group as plain tensors — the expert and slot of every kept assignment — which the
 expert-parallel layer (`course_lib.parallel.expert`) turns into an all-to-all with exactly these token counts.
 """
@@ -26,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+UNUSED = "zeros"            # what an expert no token reached gets as gradient (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -96,11 +105,9 @@ class MoE(nn.Module):
             r = route(self.router(xg), self.top_k, self.capacity_factor)
             self.last.append(r)
             y = torch.zeros_like(xg)
-            for e in range(self.n_expert):
-                sel = r.expert == e
-                if bool(sel.any()):
-                    idx = r.token[sel]
-                    y = y.index_add(0, idx, r.gate[sel, None] * self.experts[e](xg[idx]))
+            for e in range(self.n_expert):      # every expert runs, on no rows if none reach it (see UNUSED)
+                idx = r.token[r.expert == e]
+                y = y.index_add(0, idx, r.gate[r.expert == e, None] * self.experts[e](xg[idx]))
             out.append(y)
         return torch.stack(out).reshape(B, T, d)
 
@@ -125,4 +132,4 @@ def expert_param_count(d_model: int, n_expert: int, mlp_ratio: int = 4, bias: bo
     return n_expert * (2 * d_model * h + (h + d_model if bias else 0))
 
 
-__all__ = ["Routing", "capacity", "check_moe", "route", "MoE", "expert_param_count"]
+__all__ = ["UNUSED", "Routing", "capacity", "check_moe", "route", "MoE", "expert_param_count"]

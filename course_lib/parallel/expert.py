@@ -50,6 +50,7 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(self.first, self.first + self.local)})
         self.last: list = []
         self.sent_rows: list = []             # per forward: rows dispatched to each ep rank
+        self.received_rows: list = []         # per forward: rows each ep rank dispatched here (its router's counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -66,6 +67,7 @@ class ExpertParallelMoE(nn.Module):
                             out_sizes=[L] * p)
         recv_rows = [int(c.sum()) for c in counts]
         self.sent_rows.append(send_rows)
+        self.received_rows.append(recv_rows)
         rows = AllToAll.apply(xg[token], self.comm, send_rows, recv_rows, f"{self.tag}:dispatch")   # (R, d)
         out = self._run_experts(rows, torch.stack(counts))                                          # (R, d)
         back = AllToAll.apply(out, self.comm, recv_rows, send_rows, f"{self.tag}:combine")           # (A, d)
@@ -73,13 +75,16 @@ class ExpertParallelMoE(nn.Module):
         return y.reshape(B, T, d)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows arrive source by source, each source's sorted by expert; counts (p, E/ep)."""
+        """rows arrive source by source, each source's sorted by expert; counts (p, E/ep). Every local expert runs,
+        on zero rows if none arrived: the output then still depends on `rows` and on the experts' parameters, so the
+        backward reaches the combine's and the dispatch's all-to-all on every rank — a rank whose experts got no
+        token (a collapsed router) must still send its peers their (empty) gradient pieces, or they wait forever —
+        and an unused expert's gradient is zeros, as in the single-process `MoE` (`moe.UNUSED`)."""
         which = torch.arange(self.local).repeat(counts.shape[0]).repeat_interleave(counts.reshape(-1))
-        out = torch.empty_like(rows)
+        out = torch.zeros_like(rows)
         for i in range(self.local):
             sel = (which == i).nonzero().squeeze(1)
-            if sel.numel():
-                out = out.index_copy(0, sel, self.experts[str(self.first + i)](rows[sel]))
+            out = out.index_copy(0, sel, self.experts[str(self.first + i)](rows[sel]))
         return out
 
     def aux_loss(self) -> torch.Tensor:
@@ -133,6 +138,10 @@ class ExpertDataParallel(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         reduce_expert_parallel_grads(self.module, self.mesh)
 
+    def expected_bytes_by_group(self, elem: int) -> dict:
+        """{group: bytes} one gradient reduction sends from this rank (`gradient_bytes`)."""
+        return gradient_bytes(self.module, self.mesh, elem)
+
 
 def set_moe_groups(model: nn.Module, groups: int) -> None:
     """Capacity groups of every single-process MoE layer of `model` — the reference must decide capacity over the
@@ -150,5 +159,45 @@ def expert_bytes_per_forward(sent_rows, received_rows, rank: int, d_model: int, 
     return {"dispatch": out, "combine": back, "counts": (p - 1) * local_experts * 8}
 
 
-__all__ = ["ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
+def expert_layers(model: nn.Module) -> list:
+    """The `ExpertParallelMoE` layers of `model` (this rank's, in module order)."""
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def ep_bytes_per_step(model: nn.Module, rank: int, elem: int, forwards_per_step: int) -> list:
+    """Bytes this rank sent on the ep axis in each step so far, from the routing counts alone: for every forward of
+    every MoE layer here, `expert_bytes_per_forward` of the rows its router sent and the rows its peers' routers
+    sent it (the counts the small all-to-all delivered) — dispatch, combine and counts — and the dispatch and
+    combine rows once more in backward (docs/formulas.md §12). `forwards_per_step`: the micro-batches M (each MoE
+    layer runs once per micro-batch)."""
+    layers = expert_layers(model)
+    if not layers:
+        return []
+    d = layers[0].router.in_features
+    steps = len(layers[0].sent_rows) // forwards_per_step
+    out = []
+    for s in range(steps):
+        total = 0
+        for m in layers:
+            for f in range(s * forwards_per_step, (s + 1) * forwards_per_step):
+                b = expert_bytes_per_forward(m.sent_rows[f], m.received_rows[f], rank, d, elem, m.local)
+                total += 2 * (b["dispatch"] + b["combine"]) + b["counts"]
+        out.append(total)
+    return out
+
+
+def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
+    """Bytes this rank sends per step reducing gradients under `ExpertDataParallel`: one ring all-reduce per
+    parameter (`ring_all_reduce_bytes`), replicated ones over dp, expert ones over edp — {group name: bytes}."""
+    from ..distributed.collective_bytes import ring_all_reduce_bytes
+    out = {}
+    for name, p in model.named_parameters():
+        comm = mesh["edp"] if is_expert_param(name) else mesh["dp"]
+        if comm.world_size > 1:
+            out[comm.name] = out.get(comm.name, 0) + ring_all_reduce_bytes(p.numel(), comm.world_size, comm.rank,
+                                                                           elem)
+    return out
+
+
+__all__ = ["expert_layers", "ep_bytes_per_step", "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
            "expert_bytes_per_forward", "exchange_sizes"]

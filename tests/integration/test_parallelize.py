@@ -150,3 +150,102 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
         # FSDP keeps fp32 shards (the masters) and casts its gathers; the others hold bf16 compute copies
         # (ZeRO-Offload included: its fp32 masters and Adam state live on the host)
         assert all(c["dtypes"] == ({torch.float32} if plan.zero == 3 else {torch.bfloat16}) for c in ranks)
+
+
+# ------------------------------------------------------------------------------------------ experts on the mesh
+# MoE plans: (plan, config overrides, collapsed router). A collapsed router sends every token to expert 0 (top-1): the
+# ep ranks holding the other experts receive no row, yet must take part in the all-to-all's backward (a hang before),
+# and most experts receive no token in the whole batch: their gradient is zeros on the ranks and in one process
+# (`core.moe.UNUSED`), so AdamW moves them alike. Odd ep (3, 5) and capacity drops (factor 1.0 with top-2) included.
+MOE = {
+    6: [(P(dp=6, ep=3), dict(n_expert=6, top_k=1), True),
+        (P(dp=6, ep=3), dict(n_expert=3, top_k=2, capacity_factor=1.0), False)],
+    5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
+        (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
+}
+
+
+def _collapse(model):
+    """Every MoE router's logits become (d, 0, …, 0) for any token: ln2's bias is all ones and the router reads only
+    the sum of ln2's output (the normalized part sums to zero), so expert 0 wins by e^d."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ln2.bias.fill_(1.0)
+            block.mlp.router.weight.zero_()
+            block.mlp.router.weight[0].fill_(1.0)
+    return model
+
+
+def _moe_model(cfg, collapsed):
+    model = GPT(cfg, seed=0).double()
+    return _collapse(model) if collapsed else model
+
+
+def _moe_worker(ctx, cases):
+    torch.set_default_dtype(torch.float64)
+    out = []
+    for plan, cfg, collapsed, batch, reference in cases:
+        tc = TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3)
+        mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
+        ctx.comm.ledger.reset()
+        with parallelize(_moe_model(cfg, collapsed), mesh, plan, train=tc) as job:
+            run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp"))])
+            err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
+            layers = [m for m in job.model.modules() if hasattr(m, "received_rows")]
+            out.append({"err": err, "losses": run.losses, "names": sorted(run.params), "coords": mesh.coords,
+                        "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
+                        "want": [{g: n for g, n in s.items() if n} for s in job.expected_bytes_per_step(STEPS)],
+                        "received": [sum(sum(r) for r in m.received_rows) for m in layers]})
+    return out
+
+
+def _moe_reference(plan, cfg, collapsed, batch):
+    from course_lib.parallel.expert import set_moe_groups
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _moe_model(cfg, collapsed)
+        set_moe_groups(model, plan.dp * plan.microbatches)     # one capacity group per rank's micro-batch
+        ref = train_reference(cfg, TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3), progress=False, model=model)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return ref, {k: v.detach() for k, v in ref.model.named_parameters()}
+
+
+def _check_moe(world, cases):
+    """Run `cases` [(plan, config, collapsed)] in one launch of `world` ranks; assert each equals one process and
+    books exactly the formulas' bytes on every axis; returns the report lines and the results."""
+    runs, refs = [], []
+    for plan, overrides, collapsed in cases:
+        cfg = CFG.replace(**overrides)
+        batch = 2 * plan.dp * plan.microbatches
+        plan.check(cfg, world, batch_size=batch)
+        ref, params = _moe_reference(plan, cfg, collapsed, batch)
+        refs.append((ref, params))
+        runs.append((plan, cfg, collapsed, batch, params))
+    res = launch(_moe_worker, world, runs, timeout=600)
+    report = []
+    for i, ((plan, overrides, collapsed), (ref, params)) in enumerate(zip(cases, refs)):
+        ranks = [r[i] for r in res]
+        err = max(c["err"] for c in ranks)
+        name = f"{plan.describe()} {overrides}{' collapsed' if collapsed else ''}"
+        report.append(f"{name:<80} max |Δ| = {err:.1e}  bytes/step (rank 0) {ranks[0]['bytes'][0]}")
+        assert err < 1e-12, (name, err)
+        assert set().union(*(c["names"] for c in ranks)) == set(params), name
+        for c in ranks:
+            assert c["bytes"] == c["want"] and all("ep" in s for s in c["want"]), (name, c["coords"], c["bytes"],
+                                                                                  c["want"])
+        for s in range(STEPS):
+            losses = [c["losses"][s] for c in ranks if c["losses"][s] == c["losses"][s]]
+            assert abs(sum(losses) / len(losses) - ref.losses[s]) < 1e-12, (name, s)
+    return report, res
+
+
+@pytest.mark.parametrize("world", sorted(MOE))
+def test_experts_with_a_collapsed_router_odd_ep_and_unused_experts_train_like_one_process(world):
+    report, res = _check_moe(world, MOE[world])
+    for i, (plan, overrides, collapsed) in enumerate(MOE[world]):
+        if collapsed:              # the case is what it says: only the ep rank holding expert 0 receives rows
+            got = [r[i]["received"] for r in res]
+            assert all(sum(g) > 0 for g, r in zip(got, res) if r[i]["coords"]["dp"] % plan.ep == 0)
+            assert all(sum(g) == 0 for g, r in zip(got, res) if r[i]["coords"]["dp"] % plan.ep != 0)
+    print("\n".join(report))

@@ -11,7 +11,9 @@ The fields, and the notebook that builds each technique:
     cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
                         'contiguous'); gradients reduced over dp × cp; composes with pp (each stage's
                         ring over the cp peers holding it), not yet with tp                            12
-    ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks      12
+    ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks;
+                        with tp each tp rank holds its ep share of the experts whole (expert-tensor-
+                        parallel size 1: the tp ranks route the same tokens to the same experts)       12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
     dp_kind             with zero=0: which DDP reduces the gradients ('naive' | 'bucket' | 'overlap')   03
     fsdp_replicate      with zero=3: parameters left whole on every dp rank ('norms+biases', or a
@@ -204,9 +206,14 @@ class ParallelPlan:
         if self.cp > 1 and cfg.dropout > 0:
             raise PlanError("context parallelism needs dropout=0 (ring attention recombines blocks of the attention "
                             "map, whose dropout masks would have to match one process's); use dropout=0")
-        if cfg.n_expert and (self.tp > 1 or self.pp > 1 or self.cp > 1):
-            raise PlanError("a mixture-of-experts model composes with dp and ep here; splitting its experts by tp, "
-                            "its layers by pp or its tokens by cp is not built; use tp = pp = cp = 1 with n_expert > 0")
+        if cfg.n_expert and self.sequence_parallel:
+            raise PlanError("sequence_parallel with a mixture of experts: each tp rank would route its T/tp slice of "
+                            "the tokens, and its experts' and router's gradients would become partial sums over tp "
+                            "(Megatron's tp × ep token dispatcher), which is not built; with n_expert > 0 use "
+                            "sequence_parallel=False (the experts stay whole on every tp rank)")
+        if cfg.n_expert and (self.pp > 1 or self.cp > 1):
+            raise PlanError("a mixture-of-experts model composes with dp, ep and tp here; splitting its layers by pp "
+                            "or its tokens by cp is not built; use pp = cp = 1 with n_expert > 0")
         if self.ep > 1 and self.zero:
             raise PlanError(f"zero={self.zero} shards over dp, but expert parameters are reduced over the smaller "
                             f"edp group (dp/ep ranks); ZeRO over two groups is not built; use zero=0 with ep > 1")

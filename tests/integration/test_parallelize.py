@@ -160,6 +160,7 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
 MOE = {
     6: [(P(dp=6, ep=3), dict(n_expert=6, top_k=1), True),
         (P(dp=6, ep=3), dict(n_expert=3, top_k=2, capacity_factor=1.0), False)],
+    8: [(P(dp=4, ep=2, tp=2), dict(n_expert=4, top_k=2), False)],
     5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
         (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
 }

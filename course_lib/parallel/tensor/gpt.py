@@ -49,9 +49,11 @@ def tp_plan(model, *, sequence_parallel: bool = False, plan: str = "megatron") -
     per_rank = "sequence" if sequence_parallel else "replicate"
     held = dict(model.named_children())
     table = [(n, style) for n, style in (("wte", "vocab_embedding"), ("wpe", per_rank)) if n in held]
-    for i, _ in model.blocks.named_children():     # '0', '1', … of a GPT; the GPT's block indices on a stage
+    for i, block in model.blocks.named_children():   # '0', '1', … of a GPT; the GPT's block indices on a stage
         for region in ("attn", "mlp"):
             table.append((f"blocks.{i}.{'ln1' if region == 'attn' else 'ln2'}", per_rank))
+            if region == "mlp" and not hasattr(block.mlp, "fc_in"):   # a mixture of experts: whole on every rank
+                continue
             if plan == "megatron":
                 table.append((f"blocks.{i}.{region}", "region"))
             table += [(f"blocks.{i}.{n}", _KIND_TO_STYLE[k]) for n, k in TP_PLAN.items() if n.startswith(region + ".")]
@@ -146,7 +148,11 @@ class TensorParallelGPT(nn.Module):
         for block in blocks_of(self):
             x = block(x)
         logits = self.head(x)
-        return logits, None if targets is None else self.loss(logits, targets)
+        loss = None if targets is None else self.loss(logits, targets)
+        if loss is not None and self.config.n_expert:          # the load-balancing loss, as the GPT adds it
+            from ...core.model import moe_aux_loss
+            loss = loss + moe_aux_loss(self)
+        return logits, loss
 
     def stage_bounds(self, n_stages: int):
         from ...core.model import stage_bounds
@@ -264,7 +270,10 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
     ar = ring_all_reduce_bytes(b * s * h, t, rank, elem)
     ag = ring_all_gather_bytes(b * s * h, t, rank, elem)
     rs = ring_reduce_scatter_bytes(b * s * h, t, rank, elem)
-    out = {"layers": L * (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem),
+    per_layer = (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem)
+    if cfg.n_expert:               # experts whole on every tp rank (`tp_plan`): only attention's 2 collectives
+        per_layer //= 2
+    out = {"layers": L * per_layer,
            "embed+head": (embed + head) * ((ag + rs) if sequence_parallel else ar),
            "loss": head * (ring_all_reduce_bytes(b * s, t, rank, loss_elem or elem)
                             + ring_all_reduce_bytes(2 * b * s, t, rank, loss_elem or elem))}

@@ -211,9 +211,9 @@ class ParallelPlan:
                             "the tokens, and its experts' and router's gradients would become partial sums over tp "
                             "(Megatron's tp × ep token dispatcher), which is not built; with n_expert > 0 use "
                             "sequence_parallel=False (the experts stay whole on every tp rank)")
-        if cfg.n_expert and (self.pp > 1 or self.cp > 1):
-            raise PlanError("a mixture-of-experts model composes with dp, ep and tp here; splitting its layers by pp "
-                            "or its tokens by cp is not built; use pp = cp = 1 with n_expert > 0")
+        if cfg.n_expert and self.pp > 1:
+            raise PlanError("a mixture-of-experts model composes with dp, ep, tp and cp here; splitting its layers by "
+                            "pp is not built; use pp = 1 with n_expert > 0")
         if self.ep > 1 and self.zero:
             raise PlanError(f"zero={self.zero} shards over dp, but expert parameters are reduced over the smaller "
                             f"edp group (dp/ep ranks); ZeRO over two groups is not built; use zero=0 with ep > 1")

@@ -84,7 +84,8 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
 
 class MoE(nn.Module):
     """E expert MLPs (d → ratio·d → GELU → d) behind a top-k router; drop-in for the GPT block's MLP.
-    `forward(x)` with x (B, T, d); the B sequences form `groups` equal groups for capacity. After each forward,
+    `forward(x)` with x (B, T, d); the B sequences form `groups` equal groups for capacity (each cut further by
+    position when `shard_positions` is set, as context parallelism cuts them). After each forward,
     `self.last` holds the groups' `Routing`s (counts, dropped, aux)."""
 
     def __init__(self, d_model: int, n_expert: int, *, top_k: int = 1, capacity_factor: float = 1.25,
@@ -92,6 +93,7 @@ class MoE(nn.Module):
         super().__init__()
         check_moe(n_expert, top_k, capacity_factor)
         self.n_expert, self.top_k, self.capacity_factor, self.groups = n_expert, top_k, capacity_factor, groups
+        self.shard_positions = None      # fn(T) -> [positions of each capacity group within a sequence], or None
         self.router = nn.Linear(d_model, n_expert, bias=False)
         self.experts = nn.ModuleList(_Expert(d_model, mlp_ratio * d_model, bias) for _ in range(n_expert))
         self.last: list = []
@@ -101,15 +103,27 @@ class MoE(nn.Module):
         if B % self.groups:
             raise ValueError(f"{B} sequences do not split into groups={self.groups} equal groups")
         out, self.last = [], []
-        for xg in x.reshape(self.groups, -1, d):                         # (N, d) per group
-            r = route(self.router(xg), self.top_k, self.capacity_factor)
-            self.last.append(r)
-            y = torch.zeros_like(xg)
-            for e in range(self.n_expert):      # every expert runs, on no rows if none reach it (see UNUSED)
-                idx = r.token[r.expert == e]
-                y = y.index_add(0, idx, r.gate[r.expert == e, None] * self.experts[e](xg[idx]))
-            out.append(y)
+        for xb in x.reshape(self.groups, -1, T, d):                      # (b, T, d) per group of sequences
+            yb = torch.zeros_like(xb)
+            for pos in self.token_shards(T):                             # and per shard of their positions
+                n = len(pos)
+                xg = xb.index_select(1, pos).reshape(-1, d)              # (N, d): b·n tokens, position order
+                r = route(self.router(xg), self.top_k, self.capacity_factor)
+                self.last.append(r)
+                y = torch.zeros_like(xg)
+                for e in range(self.n_expert):  # every expert runs, on no rows if none reach it (see UNUSED)
+                    idx = r.token[r.expert == e]
+                    y = y.index_add(0, idx, r.gate[r.expert == e, None] * self.experts[e](xg[idx]))
+                yb = yb.index_copy(1, pos, y.reshape(-1, n, d))
+            out.append(yb)
         return torch.stack(out).reshape(B, T, d)
+
+    def token_shards(self, seq_len: int) -> list:
+        """The positions of each capacity group inside a group of sequences: all of them, or — to equal context
+        parallelism, where each cp rank routes its own tokens — each cp rank's (`shard_positions`)."""
+        if self.shard_positions is None:
+            return [torch.arange(seq_len)]
+        return self.shard_positions(seq_len)
 
     def aux_loss(self) -> torch.Tensor:
         """Mean over the groups of the last forward's load-balancing loss."""

@@ -23,6 +23,8 @@ the whole batch. The router, attention and embeddings are replicated and reduced
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -110,17 +112,34 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in f".{name}"
 
 
+def gradient_groups(mesh: Mesh) -> tuple:
+    """(replicated, expert) communicators the gradients are summed over: dp and edp — times cp under context
+    parallelism, whose ranks hold partial sums over their tokens (`dp×cp`, and `edp×cp`: the ranks holding the same
+    experts at every cp position). Collective on first use: every rank asks in the same order."""
+    if mesh.size("cp") == 1:
+        return mesh["dp"], mesh["edp"]
+    if ("edp", "cp") not in mesh._products:
+        ep, sizes = mesh.size("ep"), mesh.sizes
+        groups = [sorted(mesh.rank_of(pp=pp, dp=g * ep + i, cp=c, tp=tp) for g in range(sizes["dp"] // ep)
+                         for c in range(sizes["cp"]))
+                  for pp in range(sizes["pp"]) for i in range(ep) for tp in range(sizes["tp"])]
+        mesh._products[("edp", "cp")] = (mesh["cp"].renamed("edp×cp") if mesh.size("edp") == 1
+                                         else mesh._make("edp×cp", groups))
+    return mesh.group("dp", "cp"), mesh._products[("edp", "cp")]
+
+
 def reduce_expert_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
-    """Average gradients as one process with the whole batch would have them: replicated parameters over dp (mean),
-    expert parameters summed over edp and divided by dp (their ep group's sum is already in them)."""
-    dp, edp = mesh["dp"], mesh["edp"]
+    """Average gradients as one process with the whole batch would have them: replicated parameters over dp (× cp)
+    (mean), expert parameters summed over edp (× cp) and divided by dp · cp (their ep group's sum is already in
+    them)."""
+    dp, edp = gradient_groups(mesh)
     for name, p in model.named_parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         comm = edp if is_expert_param(name) else dp
         if comm.world_size > 1:
             collectives.all_reduce_ring(comm, p.grad, tag=f"{comm.name}:grad")
-        p.grad.div_(mesh.size("dp"))
+        p.grad.div_(mesh.size("dp") * mesh.size("cp"))
 
 
 class ExpertDataParallel(nn.Module):
@@ -131,6 +150,7 @@ class ExpertDataParallel(nn.Module):
     def __init__(self, module: nn.Module, mesh: Mesh):
         super().__init__()
         self.module, self.mesh = module, mesh
+        gradient_groups(mesh)                   # made now, collectively, not inside the first step
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -143,12 +163,21 @@ class ExpertDataParallel(nn.Module):
         return gradient_bytes(self.module, self.mesh, elem)
 
 
-def set_moe_groups(model: nn.Module, groups: int) -> None:
+def set_moe_groups(model: nn.Module, groups: int, *, cp: int = 1, layout: str = "zigzag") -> None:
     """Capacity groups of every single-process MoE layer of `model` — the reference must decide capacity over the
-    same groups of tokens as the ranks do: one group per rank's micro-batch."""
+    same groups of tokens as the ranks do: one group per rank's micro-batch, and with context parallelism (cp > 1)
+    one per cp rank's positions of it (`context.positions` in `layout`)."""
+    shards = None
+    if cp > 1:
+        shards = functools.partial(_cp_shards, cp=cp, layout=layout)
     for m in model.modules():
         if isinstance(m, MoE):
-            m.groups = groups
+            m.groups, m.shard_positions = groups, shards
+
+
+def _cp_shards(seq_len: int, *, cp: int, layout: str) -> list:
+    from .context import positions
+    return [positions(seq_len, cp, r, layout) for r in range(cp)]
 
 
 def expert_bytes_per_forward(sent_rows, received_rows, rank: int, d_model: int, elem: int, local_experts: int) -> dict:
@@ -190,9 +219,9 @@ def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
     """Bytes this rank sends per step reducing gradients under `ExpertDataParallel`: one ring all-reduce per
     parameter (`ring_all_reduce_bytes`), replicated ones over dp, expert ones over edp — {group name: bytes}."""
     from ..distributed.collective_bytes import ring_all_reduce_bytes
-    out = {}
+    out, (dp, edp) = {}, gradient_groups(mesh)
     for name, p in model.named_parameters():
-        comm = mesh["edp"] if is_expert_param(name) else mesh["dp"]
+        comm = edp if is_expert_param(name) else dp
         if comm.world_size > 1:
             out[comm.name] = out.get(comm.name, 0) + ring_all_reduce_bytes(p.numel(), comm.world_size, comm.rank,
                                                                            elem)

@@ -160,7 +160,8 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
 MOE = {
     6: [(P(dp=6, ep=3), dict(n_expert=6, top_k=1), True),
         (P(dp=6, ep=3), dict(n_expert=3, top_k=2, capacity_factor=1.0), False)],
-    8: [(P(dp=4, ep=2, tp=2), dict(n_expert=4, top_k=2), False)],
+    8: [(P(dp=4, ep=2, tp=2), dict(n_expert=4, top_k=2), False),
+        (P(dp=4, ep=2, cp=2), dict(n_expert=4, top_k=2, capacity_factor=1.0), False)],
     5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
         (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
 }
@@ -190,7 +191,7 @@ def _moe_worker(ctx, cases):
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
         ctx.comm.ledger.reset()
         with parallelize(_moe_model(cfg, collapsed), mesh, plan, train=tc) as job:
-            run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp"))])
+            run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp", "edp×cp"))])
             err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
             layers = [m for m in job.model.modules() if hasattr(m, "received_rows")]
             out.append({"err": err, "losses": run.losses, "names": sorted(run.params), "coords": mesh.coords,
@@ -205,7 +206,8 @@ def _moe_reference(plan, cfg, collapsed, batch):
     torch.set_default_dtype(torch.float64)
     try:
         model = _moe_model(cfg, collapsed)
-        set_moe_groups(model, plan.dp * plan.microbatches)     # one capacity group per rank's micro-batch
+        # one capacity group per rank's micro-batch, and per cp rank's positions of it
+        set_moe_groups(model, plan.dp * plan.microbatches, cp=plan.cp, layout=plan.cp_layout)
         ref = train_reference(cfg, TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3), progress=False, model=model)
     finally:
         torch.set_default_dtype(torch.float32)

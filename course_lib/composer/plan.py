@@ -211,9 +211,13 @@ class ParallelPlan:
                             "the tokens, and its experts' and router's gradients would become partial sums over tp "
                             "(Megatron's tp × ep token dispatcher), which is not built; with n_expert > 0 use "
                             "sequence_parallel=False (the experts stay whole on every tp rank)")
-        if cfg.n_expert and self.pp > 1:
-            raise PlanError("a mixture-of-experts model composes with dp, ep, tp and cp here; splitting its layers by "
-                            "pp is not built; use pp = 1 with n_expert > 0")
+        if cfg.n_expert and self.pp > 1 and self.cp > 1:
+            raise PlanError("a mixture-of-experts model composes with pp, and with cp, but not yet with both at once "
+                            "(not tested here); use pp = 1 or cp = 1 with n_expert > 0")
+        if self.ep > 1 and self.recompute is not None:
+            raise PlanError(f"recompute={self.recompute!r} with ep={self.ep}: the replay would route the tokens again "
+                            f"and repeat each MoE layer's all-to-all in backward, which is not built; use "
+                            f"recompute=None with ep > 1")
         if self.ep > 1 and self.zero:
             raise PlanError(f"zero={self.zero} shards over dp, but expert parameters are reduced over the smaller "
                             f"edp group (dp/ep ranks); ZeRO over two groups is not built; use zero=0 with ep > 1")

@@ -82,6 +82,34 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
     return Routing(token[keep], expert[keep], g[keep], counts, int((~keep).sum()), C, aux)
 
 
+class _AttachAux(torch.autograd.Function):
+    """y unchanged forward; backward also hands `aux` the gradient `scale` — Megatron-Core's MoEAuxLossAutoScaler:
+    inside a pipeline the loss lives on the last stage, so an earlier stage's load-balancing loss enters the
+    backward through its own MoE layer's output instead of through the loss."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=grad.dtype), None
+
+
+def attach_aux_loss(y: torch.Tensor, aux: torch.Tensor, scale: "float | None") -> torch.Tensor:
+    """y, with `scale`·aux added to whatever loss its backward comes from (nothing when scale is None)."""
+    return y if scale is None else _AttachAux.apply(y, aux, scale)
+
+
+def attach_aux_losses(model: nn.Module, scale: float) -> None:
+    """Every MoE layer of `model` (a pipeline stage's) adds scale × its load-balancing loss through backward
+    (`attach_aux_loss`); the model's loss then must not add it again (a pipeline stage's does not)."""
+    for m in model.modules():
+        if hasattr(m, "aux_grad_scale"):
+            m.aux_grad_scale = scale
+
+
 class MoE(nn.Module):
     """E expert MLPs (d → ratio·d → GELU → d) behind a top-k router; drop-in for the GPT block's MLP.
     `forward(x)` with x (B, T, d); the B sequences form `groups` equal groups for capacity (each cut further by
@@ -94,6 +122,7 @@ class MoE(nn.Module):
         check_moe(n_expert, top_k, capacity_factor)
         self.n_expert, self.top_k, self.capacity_factor, self.groups = n_expert, top_k, capacity_factor, groups
         self.shard_positions = None      # fn(T) -> [positions of each capacity group within a sequence], or None
+        self.aux_grad_scale = None       # inside a pipeline: the load-balancing loss's weight (`attach_aux_losses`)
         self.router = nn.Linear(d_model, n_expert, bias=False)
         self.experts = nn.ModuleList(_Expert(d_model, mlp_ratio * d_model, bias) for _ in range(n_expert))
         self.last: list = []
@@ -116,7 +145,7 @@ class MoE(nn.Module):
                     y = y.index_add(0, idx, r.gate[r.expert == e, None] * self.experts[e](xg[idx]))
                 yb = yb.index_copy(1, pos, y.reshape(-1, n, d))
             out.append(yb)
-        return torch.stack(out).reshape(B, T, d)
+        return attach_aux_loss(torch.stack(out).reshape(B, T, d), self.aux_loss(), self.aux_grad_scale)
 
     def token_shards(self, seq_len: int) -> list:
         """The positions of each capacity group inside a group of sequences: all of them, or — to equal context
@@ -146,4 +175,4 @@ def expert_param_count(d_model: int, n_expert: int, mlp_ratio: int = 4, bias: bo
     return n_expert * (2 * d_model * h + (h + d_model if bias else 0))
 
 
-__all__ = ["UNUSED", "Routing", "capacity", "check_moe", "route", "MoE", "expert_param_count"]
+__all__ = ["UNUSED", "attach_aux_loss", "attach_aux_losses", "Routing", "capacity", "check_moe", "route", "MoE", "expert_param_count"]

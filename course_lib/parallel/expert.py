@@ -23,6 +23,7 @@ the whole batch. The router, attention and embeddings are replicated and reduced
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn as nn
 from ..distributed import collectives
 from ..distributed.all_to_all import AllToAll, all_to_all, exchange_sizes
 from ..distributed.mesh import Mesh, axis_comm
-from ..core.moe import MoE, route
+from ..core.moe import MoE, attach_aux_loss, route
 
 
 class ExpertParallelMoE(nn.Module):
@@ -53,12 +54,15 @@ class ExpertParallelMoE(nn.Module):
         self.last: list = []
         self.sent_rows: list = []             # per forward: rows dispatched to each ep rank
         self.received_rows: list = []         # per forward: rows each ep rank dispatched here (its router's counts)
+        self.aux_values: list = []            # per forward: the load-balancing loss of this rank's tokens
+        self.aux_grad_scale = moe.aux_grad_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         xg = x.reshape(B * T, d)                                        # this rank's tokens are one group
         r = route(self.router(xg), self.top_k, self.capacity_factor)
         self.last = [r]
+        self.aux_values.append(r.aux.item())
         order = torch.argsort(r.expert, stable=True)                    # rows grouped by expert, ascending
         token, expert, gate = r.token[order], r.expert[order], r.gate[order]
         p, L = self.comm.world_size, self.local
@@ -74,7 +78,7 @@ class ExpertParallelMoE(nn.Module):
         out = self._run_experts(rows, torch.stack(counts))                                          # (R, d)
         back = AllToAll.apply(out, self.comm, recv_rows, send_rows, f"{self.tag}:combine")           # (A, d)
         y = torch.zeros_like(xg).index_add(0, token, gate[:, None] * back)
-        return y.reshape(B, T, d)
+        return attach_aux_loss(y.reshape(B, T, d), r.aux, self.aux_grad_scale)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows arrive source by source, each source's sorted by expert; counts (p, E/ep). Every local expert runs,
@@ -157,6 +161,12 @@ class ExpertDataParallel(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         reduce_expert_parallel_grads(self.module, self.mesh)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Nothing to suspend: gradients are reduced only when `finish_gradient_synchronization` is called (a
+        pipeline calls it once all micro-batches are done)."""
+        yield
 
     def expected_bytes_by_group(self, elem: int) -> dict:
         """{group: bytes} one gradient reduction sends from this rank (`gradient_bytes`)."""

@@ -161,7 +161,9 @@ MOE = {
     6: [(P(dp=6, ep=3), dict(n_expert=6, top_k=1), True),
         (P(dp=6, ep=3), dict(n_expert=3, top_k=2, capacity_factor=1.0), False)],
     8: [(P(dp=4, ep=2, tp=2), dict(n_expert=4, top_k=2), False),
-        (P(dp=4, ep=2, cp=2), dict(n_expert=4, top_k=2, capacity_factor=1.0), False)],
+        (P(dp=4, ep=2, cp=2), dict(n_expert=4, top_k=2, capacity_factor=1.0), False),
+        (P(pp=2, dp=4, ep=2, microbatches=2), dict(n_expert=4, top_k=2), False),
+        (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), dict(n_expert=4, top_k=1), True)],
     5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
         (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
 }
@@ -194,7 +196,11 @@ def _moe_worker(ctx, cases):
             run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp", "edp×cp"))])
             err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
             layers = [m for m in job.model.modules() if hasattr(m, "received_rows")]
-            out.append({"err": err, "losses": run.losses, "names": sorted(run.params), "coords": mesh.coords,
+            M = plan.microbatches       # this rank's share of the load-balancing loss per step (coef × layer mean)
+            aux = [cfg.aux_loss_coef / cfg.n_layer * sum(sum(m.aux_values[s * M:(s + 1) * M]) / M for m in layers)
+                   for s in range(STEPS)]
+            out.append({"err": err, "losses": run.losses, "aux": aux, "names": sorted(run.params),
+                        "coords": mesh.coords,
                         "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
                         "want": [{g: n for g, n in s.items() if n} for s in job.expected_bytes_per_step(STEPS)],
                         "received": [sum(sum(r) for r in m.received_rows) for m in layers]})
@@ -238,7 +244,11 @@ def _check_moe(world, cases):
             assert c["bytes"] == c["want"] and all("ep" in s for s in c["want"]), (name, c["coords"], c["bytes"],
                                                                                   c["want"])
         for s in range(STEPS):
-            losses = [c["losses"][s] for c in ranks if c["losses"][s] == c["losses"][s]]
+            if plan.pp == 1:
+                losses = [c["losses"][s] for c in ranks]
+            else:   # the last stage's cross-entropy + every stage's load-balancing loss (it entered by backward)
+                losses = [sum(c["aux"][s] for c in ranks if c["coords"]["dp"] == last["coords"]["dp"])
+                          + last["losses"][s] for last in ranks if last["coords"]["pp"] == plan.pp - 1]
             assert abs(sum(losses) / len(losses) - ref.losses[s]) < 1e-12, (name, s)
     return report, res
 

@@ -10,7 +10,8 @@ The fields, and the notebook that builds each technique:
     dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.distributed.mesh`)     03, 06, 05
     cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
                         'contiguous'); gradients reduced over dp × cp; composes with pp (each stage's
-                        ring over the cp peers holding it), not yet with tp                            12
+                        ring over the cp peers holding it) and tp (the ring on the heads this tp rank
+                        holds; SP splits the cp rank's T/cp tokens further)                            12
     ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks;
                         with tp each tp rank holds its ep share of the experts whole (expert-tensor-
                         parallel size 1: the tp ranks route the same tokens to the same experts)       12
@@ -194,10 +195,10 @@ class ParallelPlan:
 
     def _check_combination(self, cfg) -> None:
         """Combinations the course does not build, each with why (the techniques themselves run)."""
-        if self.cp > 1 and self.tp > 1:
-            raise PlanError(f"context parallelism composes with dp, ZeRO and pp here; with tp={self.tp} the TP "
-                            f"layers would need CP's token positions (and SP a second split of the sequence), which "
-                            f"the course does not build yet; use tp=1 with cp > 1")
+        if self.cp > 1 and self.sequence_parallel and (cfg.seq_len // self.cp) % self.tp:
+            raise PlanError(f"sequence parallelism splits each cp rank's T/cp = {cfg.seq_len // self.cp} tokens over "
+                            f"tp={self.tp}; use a seq_len that is a multiple of cp·tp (and of 2·cp for the zig-zag "
+                            f"split), or sequence_parallel=False")
         if self.cp > 1 and self.pp > 1 and (self.recompute is not None or self.offload_activations
                                             or self.precision is not None):
             raise PlanError("context × pipeline parallelism composes with dp, ZeRO-1/2 and every schedule here; "

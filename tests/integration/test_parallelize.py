@@ -47,6 +47,9 @@ MATRIX = {
         P(pp=2, dp=2, cp=2, microbatches=2),
         P(pp=2, dp=2, cp=2, microbatches=2, zero=2, schedule="zb_h1"),
         P(pp=2, cp=4, microbatches=4, schedule="interleaved", chunks=2),
+        # context × tensor (Llama 3's long-context layout): the ring on the heads this tp rank holds
+        P(pp=2, cp=2, tp=2, microbatches=2),
+        P(dp=2, cp=2, tp=2, zero=1, sequence_parallel=True),
     ]),
     6: (6, [
         P(dp=3, tp=2, zero=1, sequence_parallel=True),

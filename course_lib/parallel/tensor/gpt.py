@@ -107,9 +107,20 @@ class TensorParallelGPT(nn.Module):
     def tp_size(self) -> int:
         return self.comm.world_size
 
+    context = None             # (cp communicator, layout) when built over a ContextParallelGPT (`apply_tp`)
+
+    def _cp_positions(self, seq_len: int):
+        """The global positions of the tokens this cp rank holds (None without context parallelism)."""
+        if self.context is None:
+            return None
+        from ..context import positions
+        comm, layout = self.context
+        return positions(seq_len, comm.world_size, comm.rank, layout)
+
     def hidden_shape(self, batch_size: int, seq_len: int | None = None) -> tuple[int, int, int]:
-        """What flows between blocks on this rank: (B, T, d), or this rank's slice (B, T/t, d) under SP."""
-        T = seq_len or self.config.seq_len
+        """What flows between blocks on this rank: (B, T, d), or this rank's slice (B, T/t, d) under SP; T is the
+        cp rank's T/cp tokens under context parallelism."""
+        T = (seq_len or self.config.seq_len) // (1 if self.context is None else self.context[0].world_size)
         if self.sequence_parallel and T % self.tp_size:
             raise ValueError(f"sequence parallelism splits the sequence: length {T} is not a multiple of "
                              f"tp_size={self.tp_size}")
@@ -119,11 +130,16 @@ class TensorParallelGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.seq_len:
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.config.seq_len}")
+        pos = self._cp_positions(T)                              # CP: this cp rank's tokens, T/cp of them
+        if pos is None:
+            pos = torch.arange(T)
+        else:
+            idx = idx.index_select(1, pos)
         x = self.wte(idx)                                       # (B, T, d), or (B, T/t, d) with SP
         if not self.sequence_parallel:
-            return x + self.wpe(torch.arange(T))
-        n = T // self.tp_size                                    # SP: the positions of this rank's slice
-        pos = torch.arange(self.comm.rank * n, (self.comm.rank + 1) * n)
+            return x + self.wpe(pos)
+        n = len(pos) // self.tp_size                             # SP: the positions of this rank's slice
+        pos = pos[self.comm.rank * n:(self.comm.rank + 1) * n]
         return x + nn.functional.embedding(pos, f.apply(self.wpe.weight, self.comm, "sp_params/wpe.weight"))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,13 +153,14 @@ class TensorParallelGPT(nn.Module):
             return self.lm_head(full)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = self._cp_positions(targets.shape[1])
+        if pos is not None:                                      # CP: the mean over this cp rank's tokens
+            targets = targets.index_select(1, pos)
         return vocab_parallel_cross_entropy(logits, targets, self.comm, start=self.comm.rank * logits.shape[-1],
                                             vocab_size=self.config.vocab_size)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if self.sequence_parallel and idx.shape[1] % self.tp_size:
-            raise ValueError(f"sequence parallelism splits the sequence: length {idx.shape[1]} is not a multiple "
-                             f"of tp_size={self.tp_size}")
+        self.hidden_shape(1, idx.shape[1])         # one clear error if SP cannot split this rank's tokens
         x = self.embed(idx)
         for block in blocks_of(self):
             x = block(x)
@@ -176,7 +193,8 @@ def _check_tp_input(model) -> bool:
         if not isinstance(model.model, GPT):
             raise TypeError(f"apply_tp rewrites a stage of the course GPT, not of {type(model.model).__name__}")
         return True
-    if isinstance(model, GPT):
+    from ..context import ContextParallelGPT
+    if isinstance(model, (GPT, ContextParallelGPT)):
         return False
     if isinstance(model, TensorParallelGPT):
         raise TypeError("this model is tensor-parallel already: apply_tp once")
@@ -230,6 +248,8 @@ def apply_tp(model, mesh_or_comm, *, sequence_parallel: bool = False, regather: 
         if new is not None:
             setattr(model.get_submodule(parent) if parent else model, attr, new)
     tp = TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
+    if hasattr(model, "layout"):          # a ContextParallelGPT: its tokens and ring attention (on this rank's heads)
+        tp.context = (model.comm, model.layout)
     if is_stage:
         model.rebind(tp)                # the stage's modules, now tensor-parallel, under TP's embed, head and loss
         return model

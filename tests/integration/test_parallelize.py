@@ -115,6 +115,39 @@ def test_every_accepted_plan_trains_like_one_process_with_the_formulas_bytes(wor
     print("\n".join(report))
 
 
+# Llama 3's long-context layout on the toy (Dubey et al. 2024, Table 4: TP 8 × CP 16 × PP 16 × DP): every axis of the
+# mesh at size 2, one 16-rank launch — the one test that starts 16 processes; its wall time and memory are printed
+LLAMA3 = P(pp=2, dp=2, cp=2, tp=2, microbatches=2, zero=1, sequence_parallel=True)
+
+
+def _rss_worker(ctx, batch, plans, reference):
+    import resource
+    out = _worker(ctx, batch, plans, reference)
+    return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024       # Linux: KiB
+
+
+def test_the_llama3_layout_pp_dp_cp_tp_on_16_ranks_trains_like_one_process():
+    import time
+    LLAMA3.check(CFG, 16, batch_size=8)
+    ref, params = _reference(8)
+    t0 = time.perf_counter()
+    res = launch(_rss_worker, 16, 8, [LLAMA3], params, timeout=600)
+    wall = time.perf_counter() - t0
+    ranks, rss = [r[0][0] for r in res], [r[1] for r in res]
+    err = max(c["err"] for c in ranks)
+    assert err < 1e-12, err
+    assert set().union(*(c["names"] for c in ranks)) == set(params)
+    for c in ranks:
+        assert c["bytes"] == [c["want"]] * STEPS and set(c["want"]) == {"pp", "cp", "tp", "dp×cp"}, (c["coords"],
+                                                                                                  c["bytes"])
+    for s in range(STEPS):
+        losses = [c["losses"][s] for c in ranks if c["losses"][s] == c["losses"][s]]
+        assert len(losses) == 8 and abs(sum(losses) / len(losses) - ref.losses[s]) < 1e-12
+    print(f"{LLAMA3.describe()}: max |Δ| = {err:.1e}; launch wall time {wall:.1f} s on {len(res)} ranks; peak RSS "
+          f"per rank {max(rss) / 2**20:.0f} MiB (all ranks {sum(rss) / 2**30:.2f} GiB); bytes/step rank 0 "
+          f"{ranks[0]['bytes'][0]}")
+
+
 # ------------------------------------------------------------------------------------------ mixed precision
 BF16 = [P(pp=2, dp=2, tp=2, microbatches=2, zero=1, precision="bf16"),
         P(dp=2, tp=4, zero=2, sequence_parallel=True, precision="bf16"),

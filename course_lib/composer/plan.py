@@ -212,9 +212,6 @@ class ParallelPlan:
                             "the tokens, and its experts' and router's gradients would become partial sums over tp "
                             "(Megatron's tp × ep token dispatcher), which is not built; with n_expert > 0 use "
                             "sequence_parallel=False (the experts stay whole on every tp rank)")
-        if cfg.n_expert and self.pp > 1 and self.cp > 1:
-            raise PlanError("a mixture-of-experts model composes with pp, and with cp, but not yet with both at once "
-                            "(not tested here); use pp = 1 or cp = 1 with n_expert > 0")
         if self.ep > 1 and self.recompute is not None:
             raise PlanError(f"recompute={self.recompute!r} with ep={self.ep}: the replay would route the tokens again "
                             f"and repeat each MoE layer's all-to-all in backward, which is not built; use "

@@ -199,7 +199,9 @@ MOE = {
     8: [(P(dp=4, ep=2, tp=2), dict(n_expert=4, top_k=2), False),
         (P(dp=4, ep=2, cp=2), dict(n_expert=4, top_k=2, capacity_factor=1.0), False),
         (P(pp=2, dp=4, ep=2, microbatches=2), dict(n_expert=4, top_k=2), False),
-        (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), dict(n_expert=4, top_k=1), True)],
+        (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), dict(n_expert=4, top_k=1), True),
+        (P(pp=2, dp=2, ep=2, tp=2, microbatches=2), dict(n_expert=4, top_k=2), False),
+        (P(pp=2, dp=2, ep=2, cp=2, microbatches=2), dict(n_expert=2, top_k=1), False)],
     5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
         (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
 }
@@ -283,8 +285,10 @@ def _check_moe(world, cases):
             if plan.pp == 1:
                 losses = [c["losses"][s] for c in ranks]
             else:   # the last stage's cross-entropy + every stage's load-balancing loss (it entered by backward)
-                losses = [sum(c["aux"][s] for c in ranks if c["coords"]["dp"] == last["coords"]["dp"])
+                losses = [sum(c["aux"][s] for c in ranks if all(c["coords"][a] == last["coords"][a]
+                                                                 for a in ("dp", "cp", "tp")))
                           + last["losses"][s] for last in ranks if last["coords"]["pp"] == plan.pp - 1]
+                losses = losses[::plan.tp]               # the tp ranks of one stage report the same loss
             assert abs(sum(losses) / len(losses) - ref.losses[s]) < 1e-12, (name, s)
     return report, res
 

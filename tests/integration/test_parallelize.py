@@ -60,6 +60,9 @@ MATRIX = {
         P(dp=2, cp=2, zero=1),
         P(cp=4, zero=2),
         P(dp=4, zero=3, fsdp_replicate=512, microbatches=2),
+        # recomputation replays ring attention's forward (its K/V rotation again) in every block it reruns
+        P(dp=2, cp=2, recompute="full"),
+        P(cp=2, tp=2, recompute="selective", sequence_parallel=True),
     ]),
 }
 

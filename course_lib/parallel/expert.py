@@ -225,6 +225,19 @@ def ep_bytes_per_step(model: nn.Module, rank: int, elem: int, forwards_per_step:
     return out
 
 
+def aux_loss_per_step(model: nn.Module, cfg, forwards_per_step: int) -> list:
+    """This rank's share of the training loss's load-balancing term in each step so far: aux_loss_coef / n_layer ×
+    Σ over its MoE layers of the mean over the step's M micro-batches of each layer's aux loss. Inside a pipeline
+    that term reaches the gradients through backward (`attach_aux_loss`) and the last stage reports only its
+    cross-entropy: one process's loss is the last stage's plus every stage's share (per dp and cp position)."""
+    layers = expert_layers(model)
+    if not layers:
+        return []
+    M = forwards_per_step
+    return [cfg.aux_loss_coef / cfg.n_layer * sum(sum(m.aux_values[s * M:(s + 1) * M]) / M for m in layers)
+            for s in range(len(layers[0].aux_values) // M)]
+
+
 def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
     """Bytes this rank sends per step reducing gradients under `ExpertDataParallel`: one ring all-reduce per
     parameter (`ring_all_reduce_bytes`), replicated ones over dp, expert ones over edp — {group name: bytes}."""
@@ -238,5 +251,5 @@ def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
     return out
 
 
-__all__ = ["expert_layers", "ep_bytes_per_step", "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
+__all__ = ["expert_layers", "ep_bytes_per_step", "aux_loss_per_step", "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
            "expert_bytes_per_forward", "exchange_sizes"]

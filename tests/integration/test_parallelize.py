@@ -227,6 +227,7 @@ def _moe_model(cfg, collapsed):
 
 
 def _moe_worker(ctx, cases):
+    from course_lib.parallel.expert import aux_loss_per_step
     torch.set_default_dtype(torch.float64)
     out = []
     for plan, cfg, collapsed, batch, reference in cases:
@@ -237,9 +238,7 @@ def _moe_worker(ctx, cases):
             run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp", "edp×cp"))])
             err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
             layers = [m for m in job.model.modules() if hasattr(m, "received_rows")]
-            M = plan.microbatches       # this rank's share of the load-balancing loss per step (coef × layer mean)
-            aux = [cfg.aux_loss_coef / cfg.n_layer * sum(sum(m.aux_values[s * M:(s + 1) * M]) / M for m in layers)
-                   for s in range(STEPS)]
+            aux = aux_loss_per_step(job.model, cfg, plan.microbatches)
             out.append({"err": err, "losses": run.losses, "aux": aux, "names": sorted(run.params),
                         "coords": mesh.coords,
                         "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],

@@ -171,7 +171,7 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Par
     from ..memopt.recompute import apply_recompute
     from ..parallel.context import apply_cp
     from ..parallel.dp import apply_dp
-    from ..parallel.expert import ExpertDataParallel, apply_ep
+    from ..parallel.expert import ExpertDataParallel, ExpertShardedOptimizer, apply_ep
     from ..parallel.fsdp import apply_fsdp
     from ..parallel.pipeline import apply_pipeline
     from ..parallel.tensor import apply_tp
@@ -216,6 +216,9 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Par
     if data_parallel is not None:                 # the caller's own reducer over dp (see parallelize)
         out = data_parallel(model, group)
         wrapped, optimizer = out if isinstance(out, tuple) else (out, None)
+    elif cfg.n_expert and plan.zero in (1, 2):    # ZeRO over dp (× cp) for the replicated, edp (× cp) for experts
+        optimizer = ExpertShardedOptimizer(model, mesh, optim.optimizer_class(recipe, scaler=scaler, vote=mesh),
+                                           stage=plan.zero, **hyper)
     elif cfg.n_expert:
         wrapped = ExpertDataParallel(model, mesh)
     elif plan.zero == 3:

@@ -216,11 +216,11 @@ class ParallelPlan:
             raise PlanError(f"recompute={self.recompute!r} with ep={self.ep}: the replay would route the tokens again "
                             f"and repeat each MoE layer's all-to-all in backward, which is not built; use "
                             f"recompute=None with ep > 1")
-        if cfg.n_expert and (self.zero or self.offload_optimizer is not None):
+        if cfg.n_expert and (self.zero == 3 or self.offload_optimizer is not None):
             raise PlanError(f"zero={self.zero}, offload_optimizer={self.offload_optimizer!r} with a mixture of "
-                            f"experts: ZeRO shards over dp, but expert parameters are reduced over the edp group "
-                            f"(dp/ep ranks); ZeRO over two groups is not built; use zero=0 and offload_optimizer=None "
-                            f"with n_expert > 0")
+                            f"experts: ZeRO-1/2 shard the replicated parameters' state over dp and the experts' over "
+                            f"edp; FSDP and optimizer offload over those two groups are not built; use zero ≤ 2 and "
+                            f"offload_optimizer=None with n_expert > 0")
         if self.zero == 3 and self.pp > 1:
             raise PlanError("zero=3 (FSDP) inside a pipeline would all-gather each stage's parameters for every one "
                             "of the M micro-batch forwards and backwards; use zero=1 or 2 with pp > 1 (as "

@@ -173,6 +173,67 @@ class ExpertDataParallel(nn.Module):
         return gradient_bytes(self.module, self.mesh, elem)
 
 
+class ExpertShardedOptimizer:
+    """ZeRO-1 or 2 for a model with expert-parallel MoE layers — DeepSeek-V3's ZeRO-1 beside EP: two
+    `ShardedOptimizer`s, one sharding the replicated parameters' state over dp (× cp), one the experts' over edp
+    (× cp), the group that holds the same experts (`gradient_groups`). Each averages over its own group; an expert's
+    gradient already sums its ep group's tokens, so a hook divides it by ep first — the expert shard then holds
+    Σ/(dp·cp), the gradient of the mean loss, as `reduce_expert_parallel_grads` leaves it."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, optimizer_cls, *, stage: int, **optimizer_kwargs):
+        from .zero import ShardedOptimizer
+        dp, edp = gradient_groups(mesh)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        experts = [p for n, p in named if is_expert_param(n)]
+        ep = mesh.size("ep")
+        self._hooks = [p.register_hook(lambda g: g / ep) for p in experts] if ep > 1 else []
+        self.parts = {dp.name: ShardedOptimizer([p for n, p in named if not is_expert_param(n)], optimizer_cls, dp,
+                                                stage=stage, tag=f"{dp.name}:zero", **optimizer_kwargs),
+                      edp.name: ShardedOptimizer(experts, optimizer_cls, edp, stage=stage, tag=f"{edp.name}:zero",
+                                                 **optimizer_kwargs)}
+
+    def expected_bytes_by_group(self, elem: int) -> dict:
+        """{group: bytes} per step: each part's ZeRO bytes over its own group (`zero_bytes_per_step`)."""
+        return {name: opt.expected_bytes_sent() for name, opt in self.parts.items() if opt.comm.world_size > 1}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for opt in self.parts.values():
+                stack.enter_context(opt.no_sync())
+            yield
+
+    def finish_gradient_synchronization(self) -> None:
+        for opt in self.parts.values():
+            opt.finish_gradient_synchronization()
+
+    def step(self, closure=None):
+        for opt in self.parts.values():
+            opt.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.parts.values():
+            opt.zero_grad(set_to_none)
+
+    @property
+    def param_groups(self):
+        return [g for opt in self.parts.values() for g in opt.param_groups]
+
+    @property
+    def state(self):
+        return {k: v for opt in self.parts.values() for k, v in opt.state.items()}
+
+    def register_step_pre_hook(self, hook):
+        return [opt.register_step_pre_hook(hook) for opt in self.parts.values()]
+
+    def register_step_post_hook(self, hook):
+        return [opt.register_step_post_hook(hook) for opt in self.parts.values()]
+
+    def close(self) -> None:
+        for opt in self.parts.values():
+            opt.close()
+
+
 def set_moe_groups(model: nn.Module, groups: int, *, cp: int = 1, layout: str = "zigzag") -> None:
     """Capacity groups of every single-process MoE layer of `model` — the reference must decide capacity over the
     same groups of tokens as the ranks do: one group per rank's micro-batch, and with context parallelism (cp > 1)
@@ -251,5 +312,5 @@ def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
     return out
 
 
-__all__ = ["expert_layers", "ep_bytes_per_step", "aux_loss_per_step", "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
+__all__ = ["ExpertShardedOptimizer", "expert_layers", "ep_bytes_per_step", "aux_loss_per_step", "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
            "expert_bytes_per_forward", "exchange_sizes"]

@@ -204,7 +204,11 @@ MOE = {
         (P(pp=2, dp=4, ep=2, microbatches=2), dict(n_expert=4, top_k=2), False),
         (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), dict(n_expert=4, top_k=1), True),
         (P(pp=2, dp=2, ep=2, tp=2, microbatches=2), dict(n_expert=4, top_k=2), False),
-        (P(pp=2, dp=2, ep=2, cp=2, microbatches=2), dict(n_expert=2, top_k=1), False)],
+        (P(pp=2, dp=2, ep=2, cp=2, microbatches=2), dict(n_expert=2, top_k=1), False),
+        # ZeRO over two groups: the replicated parameters' state over dp (× cp), the experts' over edp (× cp)
+        (P(dp=8, ep=4, zero=1), dict(n_expert=4, top_k=2), False),
+        (P(pp=2, dp=4, ep=2, zero=1, microbatches=2), dict(n_expert=4, top_k=2), False),     # DeepSeek-V3's shape
+        (P(dp=2, ep=2, cp=2, tp=2, zero=2), dict(n_expert=4, top_k=1), True)],
     5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
         (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
 }

@@ -43,8 +43,9 @@ MOE = CFG.replace(n_expert=4, top_k=2)
 @pytest.mark.parametrize("plan, world, match", [
     (ParallelPlan(dp=2, tp=2, ep=2, sequence_parallel=True), 4, r"sequence_parallel with a mixture of experts"),
     (ParallelPlan(dp=4, ep=2, recompute="full"), 4, r"repeat each MoE layer's all-to-all"),
-    (ParallelPlan(dp=4, ep=2, zero=1), 4, r"ZeRO over two groups is not built"),
-    (ParallelPlan(dp=2, zero=2), 2, r"zero=2, offload_optimizer=None with a mixture of experts"),
+    (ParallelPlan(dp=4, ep=2, zero=3), 4, r"FSDP and optimizer offload over those two groups are not built"),
+    (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="bf16"), 2,
+     r"zero=2, offload_optimizer='host' with a mixture of experts"),
     (ParallelPlan(dp=3, ep=3), 3, r"n_expert=4 does not split over ep=3; use an ep that divides it"),
 ])
 def test_an_moe_plan_that_cannot_work_is_refused_with_the_fix(plan, world, match):
@@ -55,7 +56,7 @@ def test_an_moe_plan_that_cannot_work_is_refused_with_the_fix(plan, world, match
 @pytest.mark.parametrize("plan, world", [
     (ParallelPlan(dp=4, ep=2, tp=2), 8), (ParallelPlan(pp=2, dp=4, ep=4, microbatches=2), 8),
     (ParallelPlan(dp=4, ep=2, cp=2), 8), (ParallelPlan(pp=2, dp=2, ep=2, tp=2, microbatches=2), 8),
-    (ParallelPlan(pp=2, dp=2, ep=2, cp=2, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=2, ep=2, cp=2, microbatches=2), 8), (ParallelPlan(pp=2, dp=4, ep=2, zero=1, microbatches=2), 8),
 ])
 def test_experts_compose_with_tp_pp_and_cp(plan, world):
     assert plan.check(MOE, world, batch_size=4 * plan.dp) is plan

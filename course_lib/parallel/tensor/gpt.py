@@ -139,7 +139,7 @@ class TensorParallelGPT(nn.Module):
         if not self.sequence_parallel:
             return x + self.wpe(pos)
         n = len(pos) // self.tp_size                             # SP: the positions of this rank's slice
-        pos = pos[self.comm.rank * n:(self.comm.rank + 1) * n]
+        pos = pos[self.comm.rank * n:(self.comm.rank + 1) * n].clone()     # own storage: embedding saves it
         return x + nn.functional.embedding(pos, f.apply(self.wpe.weight, self.comm, "sp_params/wpe.weight"))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -128,14 +128,16 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
     device."""
     from ..memopt.precision.recipes import get_recipe
     from ..parallel.zero import model_state_bytes
+    if layout.get("parts"):     # experts under ZeRO: the formula once per part, each over its own group (dp, edp)
+        each = [state_formula(plan, {**part, "stepped": layout.get("stepped", True)}, model_elem, step_elem)
+                for part in layout["parts"]]
+        return {c: sum(e[c] for e in each) for c in each[0]}
     if plan.precision is None:
         e_c, master, e_s = model_elem, 0, model_elem
     else:
         r = get_recipe(plan.precision)
         e_c, master, e_s = r.compute_bytes, 4 if r.master_weights else 0, r.state_bytes
-    n = plan.dp * plan.cp
-    if plan.ep > 1:
-        n = 1                                  # expert parallelism: DDP-style reduction, nothing sharded
+    n = layout.get("n", plan.dp * plan.cp)     # the group ZeRO shards over (a part's own, under experts)
     if plan.zero == 3 and master:              # FSDP under bf16: the fp32 shards are the masters and the parameters
         e_c, master = 4, 0
     out = model_state_bytes(layout["P"], n, plan.zero, param=e_c, grad=e_c, optim=0)
@@ -152,6 +154,7 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
 def _layout(p) -> dict:
     """P (what ZeRO shards, padded to the dp group), P_opt (what the optimizer steps), K (its tensors), psi (the
     trainable elements this rank holds, as the model holds them)."""
+    from ..parallel.expert import ExpertShardedOptimizer
     from ..parallel.zero import ShardedOptimizer
     opt, held = p.optimizer, [t for _, t in p.named_parameters() if t.requires_grad]
     psi = sum(t.numel() for t in held)
@@ -161,6 +164,10 @@ def _layout(p) -> dict:
     out = {"stepped": skipped == 0 or skipped < len(history), "skipped": skipped}
     if isinstance(opt, ShardedOptimizer):
         return {**out, "P": opt.padded_numel, "P_opt": opt.padded_numel, "K": opt.num_shards, "psi": psi}
+    if isinstance(opt, ExpertShardedOptimizer):        # two ZeRO groups: the replicated parameters', the experts'
+        parts = [{"P": o.padded_numel, "P_opt": o.padded_numel, "K": o.num_shards, "n": o.comm.world_size}
+                 for o in opt.parts.values()]
+        return {**out, "parts": parts, "psi": psi, **{k: sum(q[k] for q in parts) for k in ("P", "P_opt", "K")}}
     if p.plan.zero == 3:
         fsdp = p.model
         return {**out, "P": fsdp.padded_numel, "P_opt": fsdp.local_numel, "K": len(list(fsdp.parameters())),
@@ -274,13 +281,14 @@ def capstone_jobs(steps: int = 2, world_size: int = 8, seed: int = 0) -> list:
 
 def shape_jobs(steps: int = 2, seed: int = 0) -> list:
     """Context and expert parallelism on 4 ranks, float64, equal to one process: pp × cp with ZeRO-1 over dp × cp,
-    cp × tp with sequence parallelism, and DeepSeek-V3's pp × ep × dp on the toy (each stage's MoE layers exchange
-    tokens in that stage's ep group) — with the per-rank ledger kept for a timeline."""
+    cp × tp with sequence parallelism, and DeepSeek-V3's pp × ep × ZeRO-1 on the toy (each stage's MoE layers
+    exchange tokens in that stage's ep group; the experts' optimizer state sharded over edp, the rest over dp) — with
+    the per-rank ledger kept for a timeline."""
     cfg = get_config("nano", **CONFIG)
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
     return [Job("PP × CP", ParallelPlan(pp=2, cp=2, zero=1, microbatches=2), cfg, tc),
             Job("CP × TP", ParallelPlan(cp=2, tp=2, zero=1, sequence_parallel=True), cfg, tc),
-            Job("PP × EP × DP", ParallelPlan(pp=2, dp=2, ep=2, microbatches=2), MOE, tc, timeline=True)]
+            Job("PP × EP × ZeRO-1", ParallelPlan(pp=2, dp=2, ep=2, zero=1, microbatches=2), MOE, tc, timeline=True)]
 
 
 def llama3_job(steps: int = 2, seed: int = 0) -> Job:

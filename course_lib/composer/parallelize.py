@@ -4,6 +4,7 @@
     with parallelize(GPT(cfg, seed=0), Mesh(ctx.comm, pp=2, dp=2, tp=2), plan, train=tc) as job:
         run = job.train(steps=2, probes=[LedgerProbe(ctx.comm)])
         job.expected_bytes          # {'pp': …, 'dp': …, 'tp': …} per step, from each technique's formula
+        job.expected_bytes_per_step(2)   # the same per step, + with experts the ep all-to-alls' from the routing
 
     run, ddp = train_parallel(ctx.comm, cfg, tc, wrap)   # the one-axis form: a hand-written DP wrapper over dp
 
@@ -54,7 +55,7 @@ class Parallelized:
     batches: object
     plan: ParallelPlan
     mesh: Mesh
-    expected_bytes: dict = field(default_factory=dict)
+    expected_bytes: dict = field(default_factory=dict)   # per step, every axis but ep (`expected_bytes_per_step`)
     applied: list = field(default_factory=list)          # (technique, what it returned) in ORDER
 
     def expected_bytes_per_step(self, steps: int) -> list:

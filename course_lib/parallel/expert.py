@@ -20,6 +20,14 @@ Gradients: a rank's expert receives the gradients of every rank's tokens through
 backward it holds the sum over its ep group; the ranks holding the same experts (the `edp` group) then sum theirs,
 and the total is divided by the data-parallel size — the gradient of the mean loss, as if one process had seen
 the whole batch. The router, attention and embeddings are replicated and reduced over all of dp, as in plain DP.
+
+With the other axes (docs/formulas.md §12.4): under tp every tp rank holds its ep share of the experts whole and
+routes the same tokens (expert-tensor-parallel size 1); under cp a rank routes its own T/cp tokens and both
+reductions run over × cp (`gradient_groups`); inside a pipeline each stage's layers exchange tokens in that stage's
+ep group and the load-balancing loss enters through backward (`core.moe.attach_aux_loss`); ZeRO-1/2 shard the
+replicated parameters' state over dp (× cp) and the experts' over edp (× cp) (`ExpertShardedOptimizer`). Every
+local expert runs even on zero rows, so every rank takes part in every all-to-all, forward and backward, and an
+unused expert's gradient is zeros, as in the single-process `MoE` (`core.moe.UNUSED`).
 """
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ The same worker runs unchanged under torchrun (each process computes the referen
     torchrun --standalone --nproc-per-node 8 -m course_lib.run course_lib.capstone:torchrun_worker 2
 
 Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12;
-under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's
-all-to-all bytes from the routing counts of each step (`Parallelized.expected_bytes_per_step`, §12.3–12.4); model states are ZeRO's Ψ·(e_p + e_g + K)
-divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
+under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's all-to-all bytes
+from the routing counts of each step (`Parallelized.expected_bytes_per_step`, §12.3–12.4); model states are ZeRO's
+Ψ·(e_p + e_g + K) divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
 plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
 grids are in `course_lib.capstone.survey`, the pictures in `course_lib.capstone.plots`.
 """

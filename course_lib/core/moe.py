@@ -175,4 +175,5 @@ def expert_param_count(d_model: int, n_expert: int, mlp_ratio: int = 4, bias: bo
     return n_expert * (2 * d_model * h + (h + d_model if bias else 0))
 
 
-__all__ = ["UNUSED", "attach_aux_loss", "attach_aux_losses", "Routing", "capacity", "check_moe", "route", "MoE", "expert_param_count"]
+__all__ = ["UNUSED", "attach_aux_loss", "attach_aux_losses", "Routing", "capacity", "check_moe", "route", "MoE",
+           "expert_param_count"]

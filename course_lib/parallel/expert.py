@@ -320,5 +320,6 @@ def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
     return out
 
 
-__all__ = ["ExpertShardedOptimizer", "expert_layers", "ep_bytes_per_step", "aux_loss_per_step", "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param", "reduce_expert_parallel_grads",
-           "expert_bytes_per_forward", "exchange_sizes"]
+__all__ = ["ExpertShardedOptimizer", "expert_layers", "ep_bytes_per_step", "aux_loss_per_step", "gradient_bytes",
+           "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param",
+           "reduce_expert_parallel_grads", "expert_bytes_per_forward", "exchange_sizes"]

@@ -239,7 +239,8 @@ def _moe_worker(ctx, cases):
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
         ctx.comm.ledger.reset()
         with parallelize(_moe_model(cfg, collapsed), mesh, plan, train=tc) as job:
-            run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp", "edp×cp"))])
+            probe = LedgerProbe(ctx.comm, groups=GROUPS + ("ep", "edp", "edp×cp"))
+            run = job.train(STEPS, keep_params=True, probes=[probe])
             err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
             layers = [m for m in job.model.modules() if hasattr(m, "received_rows")]
             aux = aux_loss_per_step(job.model, cfg, plan.microbatches)

@@ -56,7 +56,8 @@ def test_an_moe_plan_that_cannot_work_is_refused_with_the_fix(plan, world, match
 @pytest.mark.parametrize("plan, world", [
     (ParallelPlan(dp=4, ep=2, tp=2), 8), (ParallelPlan(pp=2, dp=4, ep=4, microbatches=2), 8),
     (ParallelPlan(dp=4, ep=2, cp=2), 8), (ParallelPlan(pp=2, dp=2, ep=2, tp=2, microbatches=2), 8),
-    (ParallelPlan(pp=2, dp=2, ep=2, cp=2, microbatches=2), 8), (ParallelPlan(pp=2, dp=4, ep=2, zero=1, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=2, ep=2, cp=2, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=4, ep=2, zero=1, microbatches=2), 8),
 ])
 def test_experts_compose_with_tp_pp_and_cp(plan, world):
     assert plan.check(MOE, world, batch_size=4 * plan.dp) is plan

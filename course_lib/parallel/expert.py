@@ -232,14 +232,25 @@ class ExpertShardedOptimizer:
         return {k: v for opt in self.parts.values() for k, v in opt.state.items()}
 
     def register_step_pre_hook(self, hook):
-        return [opt.register_step_pre_hook(hook) for opt in self.parts.values()]
+        return _Handles([opt.register_step_pre_hook(hook) for opt in self.parts.values()])
 
     def register_step_post_hook(self, hook):
-        return [opt.register_step_post_hook(hook) for opt in self.parts.values()]
+        return _Handles([opt.register_step_post_hook(hook) for opt in self.parts.values()])
 
     def close(self) -> None:
         for opt in self.parts.values():
             opt.close()
+
+
+class _Handles:
+    """Several hook handles removed as one (what `register_step_*_hook` returns)."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def set_moe_groups(model: nn.Module, groups: int, *, cp: int = 1, layout: str = "zigzag") -> None:

@@ -97,7 +97,7 @@ class _AttachAux(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=grad.dtype), None
 
 
-def attach_aux_loss(y: torch.Tensor, aux: torch.Tensor, scale: "float | None") -> torch.Tensor:
+def attach_aux_loss(y: torch.Tensor, aux: torch.Tensor, scale: float | None) -> torch.Tensor:
     """y, with `scale`·aux added to whatever loss its backward comes from (nothing when scale is None)."""
     return y if scale is None else _AttachAux.apply(y, aux, scale)
 

@@ -197,20 +197,20 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
 # and most experts receive no token in the whole batch: their gradient is zeros on the ranks and in one process
 # (`core.moe.UNUSED`), so AdamW moves them alike. Odd ep (3, 5) and capacity drops (factor 1.0 with top-2) included.
 MOE = {
-    6: [(P(dp=6, ep=3), dict(n_expert=6, top_k=1), True),
-        (P(dp=6, ep=3), dict(n_expert=3, top_k=2, capacity_factor=1.0), False)],
-    8: [(P(dp=4, ep=2, tp=2), dict(n_expert=4, top_k=2), False),
-        (P(dp=4, ep=2, cp=2), dict(n_expert=4, top_k=2, capacity_factor=1.0), False),
-        (P(pp=2, dp=4, ep=2, microbatches=2), dict(n_expert=4, top_k=2), False),
-        (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), dict(n_expert=4, top_k=1), True),
-        (P(pp=2, dp=2, ep=2, tp=2, microbatches=2), dict(n_expert=4, top_k=2), False),
-        (P(pp=2, dp=2, ep=2, cp=2, microbatches=2), dict(n_expert=2, top_k=1), False),
+    6: [(P(dp=6, ep=3), {"n_expert": 6, "top_k": 1}, True),
+        (P(dp=6, ep=3), {"n_expert": 3, "top_k": 2, "capacity_factor": 1.0}, False)],
+    8: [(P(dp=4, ep=2, tp=2), {"n_expert": 4, "top_k": 2}, False),
+        (P(dp=4, ep=2, cp=2), {"n_expert": 4, "top_k": 2, "capacity_factor": 1.0}, False),
+        (P(pp=2, dp=4, ep=2, microbatches=2), {"n_expert": 4, "top_k": 2}, False),
+        (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), {"n_expert": 4, "top_k": 1}, True),
+        (P(pp=2, dp=2, ep=2, tp=2, microbatches=2), {"n_expert": 4, "top_k": 2}, False),
+        (P(pp=2, dp=2, ep=2, cp=2, microbatches=2), {"n_expert": 2, "top_k": 1}, False),
         # ZeRO over two groups: the replicated parameters' state over dp (× cp), the experts' over edp (× cp)
-        (P(dp=8, ep=4, zero=1), dict(n_expert=4, top_k=2), False),
-        (P(pp=2, dp=4, ep=2, zero=1, microbatches=2), dict(n_expert=4, top_k=2), False),     # DeepSeek-V3's shape
-        (P(dp=2, ep=2, cp=2, tp=2, zero=2), dict(n_expert=4, top_k=1), True)],
-    5: [(P(dp=5, ep=5), dict(n_expert=5, top_k=1), True),
-        (P(dp=5, ep=5), dict(n_expert=5, top_k=1), False)],
+        (P(dp=8, ep=4, zero=1), {"n_expert": 4, "top_k": 2}, False),
+        (P(pp=2, dp=4, ep=2, zero=1, microbatches=2), {"n_expert": 4, "top_k": 2}, False),     # DeepSeek-V3's shape
+        (P(dp=2, ep=2, cp=2, tp=2, zero=2), {"n_expert": 4, "top_k": 1}, True)],
+    5: [(P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, True),
+        (P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, False)],
 }
 
 
@@ -248,7 +248,8 @@ def _moe_worker(ctx, cases):
                         "coords": mesh.coords,
                         "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
                         "want": [{g: n for g, n in s.items() if n} for s in job.expected_bytes_per_step(STEPS)],
-                        "received": [sum(sum(r) for r in m.received_rows) for m in layers]})
+                        "received": [sum(sum(r) for r in m.received_rows) for m in layers],
+                        "dropped": sum(m.last[0].dropped for m in layers)})       # in the last forward
     return out
 
 
@@ -305,6 +306,7 @@ def test_experts_with_a_collapsed_router_odd_ep_and_unused_experts_train_like_on
     report, res = _check_moe(world, MOE[world])
     for i, (plan, overrides, collapsed) in enumerate(MOE[world]):
         if collapsed:              # the case is what it says: only the ep rank holding expert 0 receives rows
+            assert all(r[i]["dropped"] > 0 for r in res)       # and its capacity overflows: tokens are dropped
             got = [r[i]["received"] for r in res]
             assert all(sum(g) > 0 for g, r in zip(got, res) if r[i]["coords"]["dp"] % plan.ep == 0)
             assert all(sum(g) == 0 for g, r in zip(got, res) if r[i]["coords"]["dp"] % plan.ep != 0)

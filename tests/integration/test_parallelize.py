@@ -155,7 +155,8 @@ def test_the_llama3_layout_pp_dp_cp_tp_on_16_ranks_trains_like_one_process():
 BF16 = [P(pp=2, dp=2, tp=2, microbatches=2, zero=1, precision="bf16"),
         P(dp=2, tp=4, zero=2, sequence_parallel=True, precision="bf16"),
         P(dp=8, zero=3, precision="bf16"),
-        P(dp=8, zero=2, offload_optimizer="host", precision="bf16")]
+        P(dp=8, zero=2, offload_optimizer="host", precision="bf16"),
+        P(dp=2, cp=2, tp=2, zero=1, sequence_parallel=True, precision="bf16")]
 
 
 def _bf16(ctx, plans, batch):

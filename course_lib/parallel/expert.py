@@ -130,14 +130,11 @@ def gradient_groups(mesh: Mesh) -> tuple:
     experts at every cp position). Collective on first use: every rank asks in the same order."""
     if mesh.size("cp") == 1:
         return mesh["dp"], mesh["edp"]
-    if ("edp", "cp") not in mesh._products:
-        ep, sizes = mesh.size("ep"), mesh.sizes
-        groups = [sorted(mesh.rank_of(pp=pp, dp=g * ep + i, cp=c, tp=tp) for g in range(sizes["dp"] // ep)
-                         for c in range(sizes["cp"]))
-                  for pp in range(sizes["pp"]) for i in range(ep) for tp in range(sizes["tp"])]
-        mesh._products[("edp", "cp")] = (mesh["cp"].renamed("edp×cp") if mesh.size("edp") == 1
-                                         else mesh._make("edp×cp", groups))
-    return mesh.group("dp", "cp"), mesh._products[("edp", "cp")]
+    ep, sizes = mesh.size("ep"), mesh.sizes
+    groups = [[mesh.rank_of(pp=pp, dp=g * ep + i, cp=c, tp=tp) for g in range(sizes["dp"] // ep)
+               for c in range(sizes["cp"])]
+              for pp in range(sizes["pp"]) for i in range(ep) for tp in range(sizes["tp"])]
+    return mesh.group("dp", "cp"), mesh.partition_group("edp×cp", groups)
 
 
 def reduce_expert_parallel_grads(model: nn.Module, mesh: Mesh) -> None:

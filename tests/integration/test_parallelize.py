@@ -13,6 +13,7 @@ import torch
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.core.model import GPT, get_config
+from course_lib.capstone import one_process_losses
 from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import LedgerProbe, TrainConfig, train_reference
 
@@ -157,14 +158,22 @@ BF16 = [P(pp=2, dp=2, tp=2, microbatches=2, zero=1, precision="bf16"),
         P(dp=8, zero=3, precision="bf16"),
         P(dp=8, zero=2, offload_optimizer="host", precision="bf16"),
         P(dp=2, cp=2, tp=2, zero=1, sequence_parallel=True, precision="bf16")]
+# experts under bf16 (ZeRO-1 over dp and edp, tp): against one process with the same recipe and capacity groups
+BF16_MOE = (P(dp=4, ep=2, tp=2, zero=1, precision="bf16"), {"n_expert": 4, "top_k": 2})
 
 
-def _bf16(ctx, plans, batch):
+def _bf16(ctx, plans, batch, moe=None, groups=None):
+    """Train each plan (the dense CFG; `moe`: config overrides of an MoE model for the plans with ep, or for all
+    with `groups` — the capacity groups of a one-rank reference)."""
+    from course_lib.parallel.expert import set_moe_groups
     tc = TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3)
     out = []
     for plan in plans:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
-        with parallelize(GPT(CFG, seed=tc.seed), mesh, plan, train=tc) as job:
+        model = GPT(CFG.replace(**moe) if moe and (plan.ep > 1 or groups) else CFG, seed=tc.seed)
+        if groups:
+            set_moe_groups(model, groups)
+        with parallelize(model, mesh, plan, train=tc) as job:
             run = job.train(STEPS)
             dtypes = {p.dtype for _, p in job.named_parameters()}
             out.append({"losses": run.losses, "dtypes": dtypes})
@@ -180,13 +189,16 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
     offloaded = launch(_bf16, 1, [P(precision="bf16", offload_optimizer="host")], 8, timeout=120)[0][0]["losses"]
     assert offloaded[0] == single[0]                 # the same bf16 weights: only the optimizer's place differs
     assert abs(single[1] - single[0]) > 2 ** -7 * single[0] * 2          # a step moves the loss well past the bound
-    res = launch(_bf16, 8, BF16, 8, timeout=300)
-    for i, plan in enumerate(BF16):
-        ranks = [r[i] for r in res]
+    plan, moe = BF16_MOE
+    single_moe = launch(_bf16, 1, [P(precision="bf16")], 8, moe, plan.dp * plan.microbatches,
+                        timeout=120)[0][0]["losses"]
+    res = launch(_bf16, 8, BF16 + [plan], 8, moe, timeout=300)
+    for i, plan in enumerate(BF16 + [plan]):
+        ranks, want = [r[i] for r in res], single_moe if plan.ep > 1 else single
         for s in range(STEPS):
             losses = [c["losses"][s] for c in ranks if c["losses"][s] == c["losses"][s]]
             mean = sum(losses) / len(losses)
-            assert abs(mean - single[s]) <= 2 ** -7 * single[s], (plan.describe(), s, mean, single[s])
+            assert abs(mean - want[s]) <= 2 ** -7 * want[s], (plan.describe(), s, mean, want[s])
         # FSDP keeps fp32 shards (the masters) and casts its gathers; the others hold bf16 compute copies
         # (ZeRO-Offload included: its fp32 masters and Adam state live on the host)
         assert all(c["dtypes"] == ({torch.float32} if plan.zero == 3 else {torch.bfloat16}) for c in ranks)
@@ -292,15 +304,9 @@ def _check_moe(world, cases):
         for c in ranks:
             assert c["bytes"] == c["want"] and all(("ep" in s) == (plan.ep > 1) for s in c["want"]), (
                 name, c["coords"], c["bytes"], c["want"])
-        for s in range(STEPS):
-            if plan.pp == 1:
-                losses = [c["losses"][s] for c in ranks]
-            else:   # the last stage's cross-entropy + every stage's load-balancing loss (it entered by backward)
-                losses = [sum(c["aux"][s] for c in ranks if all(c["coords"][a] == last["coords"][a]
-                                                                 for a in ("dp", "cp", "tp")))
-                          + last["losses"][s] for last in ranks if last["coords"]["pp"] == plan.pp - 1]
-                losses = losses[::plan.tp]               # the tp ranks of one stage report the same loss
-            assert abs(sum(losses) / len(losses) - ref.losses[s]) < 1e-12, (name, s)
+        # the last stage's losses, + inside a pipeline every stage's share of the load-balancing loss (by backward)
+        for s, loss in enumerate(one_process_losses(ranks, plan)):
+            assert abs(loss - ref.losses[s]) < 1e-12, (name, s)
     return report, res
 
 

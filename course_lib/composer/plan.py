@@ -14,7 +14,9 @@ The fields, and the notebook that builds each technique:
                         holds; SP splits the cp rank's T/cp tokens further)                            12
     ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks;
                         with tp each tp rank holds its ep share of the experts whole (expert-tensor-
-                        parallel size 1: the tp ranks route the same tokens to the same experts)       12
+                        parallel size 1: the tp ranks route the same tokens to the same experts); with
+                        cp each rank routes its own tokens; in a pipeline each stage's ep group; ZeRO-1/2
+                        shard the experts' optimizer state over edp (the ranks holding the same ones)   12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
     dp_kind             with zero=0: which DDP reduces the gradients ('naive' | 'bucket' | 'overlap')   03
     fsdp_replicate      with zero=3: parameters left whole on every dp rank ('norms+biases', or a

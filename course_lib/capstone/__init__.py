@@ -84,7 +84,8 @@ def reference_run(job: Job) -> tuple:
         model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
         if job.cfg.n_expert:
             set_moe_groups(model, job.plan.dp * job.plan.microbatches,      # one capacity group per micro-batch
-                           cp=job.plan.cp, layout=job.plan.cp_layout)        # (and per cp rank's tokens of it)
+                           cp=job.plan.cp, layout=job.plan.cp_layout,        # (and per cp rank's tokens of it,
+                           tp=job.plan.tp if job.plan.sequence_parallel else 1)    # SP's slice of those)
         with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
             ref = train_reference(job.cfg, job.tc, progress=False, model=model)
     return ref.losses, {k: v.detach().clone() for k, v in ref.model.named_parameters()}, \
@@ -107,13 +108,18 @@ def one_process_losses(ranks: list, plan: ParallelPlan) -> list:
     load-balancing loss at that position (`aux`: it reached the gradients through backward, not the last stage's
     loss). The tp ranks of a position report the same loss; one of them counts."""
     last = [r for r in ranks if r["coords"]["pp"] == plan.pp - 1 and r["coords"]["tp"] == 0]
+    split = plan.tp if plan.sequence_parallel else 1        # SP: each tp rank routes, and reports, its own slice
     out = []
     for s in range(len(last[0]["losses"])):
         per = []
         for r in last:
-            here = [q for q in ranks if all(q["coords"][a] == r["coords"][a] for a in ("dp", "cp", "tp"))]
-            extra = sum(q["aux"][s] for q in here) if plan.pp > 1 and r.get("aux") is not None else 0.0
-            per.append(r["losses"][s] + extra)
+            if not r.get("aux"):                                  # no expert-parallel layer logged one
+                per.append(r["losses"][s])
+                continue
+            here = [q for q in ranks if all(q["coords"][a] == r["coords"][a] for a in ("dp", "cp"))]
+            every = sum(q["aux"][s] for q in here) / plan.tp      # Σ over stages of the mean over the tp ranks
+            own = r["aux"][s] / split if plan.pp == 1 else 0.0     # what this rank's reported loss holds of it
+            per.append(r["losses"][s] - own + every)
         out.append(sum(per) / len(per))
     return out
 

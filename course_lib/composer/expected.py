@@ -41,7 +41,8 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
         parts = pipeline.parts(coords["pp"]) if pipeline is not None else {}
         out["tp"] = tp_bytes_per_step(cfg, b, plan.tp, coords["tp"], e, num_microbatches=M,    # on T/cp tokens
                                       sequence_parallel=plan.sequence_parallel, loss_elem=loss_elem,
-                                      seq_len=T // plan.cp, **parts)
+                                      seq_len=T // plan.cp, experts_held=(cfg.n_expert // plan.ep) or None,
+                                      **parts)
         if plan.recompute is not None:          # the replay re-issues the forward collectives it reruns
             out["tp"] += M * rerun_tp_bytes(recompute_plan, cfg, b, plan.tp, coords["tp"], e,
                                             sequence_parallel=plan.sequence_parallel, seq_len=T // plan.cp)

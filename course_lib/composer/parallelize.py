@@ -194,7 +194,8 @@ def _build(model, mesh: Mesh, plan: ParallelPlan, tc, data_parallel, cfg) -> Par
         applied.append(("pipeline split", pipe))
     if plan.pp > 1 and cfg.n_expert:          # the stages' load-balancing losses enter through backward (Megatron)
         from ..core.moe import attach_aux_losses
-        attach_aux_losses(model, cfg.aux_loss_coef / (cfg.n_layer * M))    # GPT: coef × mean over layers, 1/M each
+        per = cfg.n_layer * M * (plan.tp if plan.sequence_parallel else 1)  # coef × mean over layers (and SP's
+        attach_aux_losses(model, cfg.aux_loss_coef / per)                  # slices), 1/M per micro-batch
     if plan.ep > 1:                                                           # expert parallel
         apply_ep(model, mesh)
         applied.append(("expert parallel", model))

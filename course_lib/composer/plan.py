@@ -14,7 +14,8 @@ The fields, and the notebook that builds each technique:
                         holds; SP splits the cp rank's T/cp tokens further)                            12
     ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks;
                         with tp each tp rank holds its ep share of the experts whole (expert-tensor-
-                        parallel size 1: the tp ranks route the same tokens to the same experts); with
+                        parallel size 1: the tp ranks route the same tokens to the same experts; with SP
+                        each routes its T/tp slice, their gradients summed over tp); with
                         cp each rank routes its own tokens; in a pipeline each stage's ep group; ZeRO-1/2
                         shard the experts' optimizer state over edp (the ranks holding the same ones)   12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
@@ -209,11 +210,10 @@ class ParallelPlan:
         if self.cp > 1 and cfg.dropout > 0:
             raise PlanError("context parallelism needs dropout=0 (ring attention recombines blocks of the attention "
                             "map, whose dropout masks would have to match one process's); use dropout=0")
-        if cfg.n_expert and self.sequence_parallel:
-            raise PlanError("sequence_parallel with a mixture of experts: each tp rank would route its T/tp slice of "
-                            "the tokens, and its experts' and router's gradients would become partial sums over tp "
-                            "(Megatron's tp × ep token dispatcher), which is not built; with n_expert > 0 use "
-                            "sequence_parallel=False (the experts stay whole on every tp rank)")
+        if cfg.n_expert and self.sequence_parallel and self.recompute is not None:
+            raise PlanError(f"recompute={self.recompute!r} with sequence parallelism and experts: the replay's "
+                            f"collectives in MoE blocks are not in the formulas; use recompute=None, or "
+                            f"sequence_parallel=False, with n_expert > 0")
         if self.ep > 1 and self.recompute is not None:
             raise PlanError(f"recompute={self.recompute!r} with ep={self.ep}: the replay would route the tokens again "
                             f"and repeat each MoE layer's all-to-all in backward, which is not built; use "

@@ -250,21 +250,23 @@ class _Handles:
             h.remove()
 
 
-def set_moe_groups(model: nn.Module, groups: int, *, cp: int = 1, layout: str = "zigzag") -> None:
+def set_moe_groups(model: nn.Module, groups: int, *, cp: int = 1, layout: str = "zigzag", tp: int = 1) -> None:
     """Capacity groups of every single-process MoE layer of `model` — the reference must decide capacity over the
-    same groups of tokens as the ranks do: one group per rank's micro-batch, and with context parallelism (cp > 1)
-    one per cp rank's positions of it (`context.positions` in `layout`)."""
+    same groups of tokens as the ranks do: one group per rank's micro-batch, with context parallelism (cp > 1) one
+    per cp rank's positions of it (`context.positions` in `layout`), and with sequence parallelism (tp > 1: its
+    size) one per tp rank's contiguous slice of those."""
     shards = None
-    if cp > 1:
-        shards = functools.partial(_cp_shards, cp=cp, layout=layout)
+    if cp > 1 or tp > 1:
+        shards = functools.partial(_cp_shards, cp=cp, layout=layout, tp=tp)
     for m in model.modules():
         if isinstance(m, MoE):
             m.groups, m.shard_positions = groups, shards
 
 
-def _cp_shards(seq_len: int, *, cp: int, layout: str) -> list:
+def _cp_shards(seq_len: int, *, cp: int, layout: str, tp: int = 1) -> list:
     from .context import positions
-    return [positions(seq_len, cp, r, layout) for r in range(cp)]
+    return [pos.tensor_split(tp)[t].clone() for r in range(cp) for pos in [positions(seq_len, cp, r, layout)]
+            for t in range(tp)]
 
 
 def expert_bytes_per_forward(sent_rows, received_rows, rank: int, d_model: int, elem: int, local_experts: int) -> dict:

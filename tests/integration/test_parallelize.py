@@ -223,7 +223,11 @@ MOE = {
         (P(pp=2, dp=4, ep=2, zero=1, microbatches=2), {"n_expert": 4, "top_k": 2}, False),     # DeepSeek-V3's shape
         (P(dp=2, ep=2, cp=2, tp=2, zero=2), {"n_expert": 4, "top_k": 1}, True),
         # recomputation replays a MoE block's attention g (its MoE reads it): n all-reduces per segment of n
-        (P(dp=4, tp=2, recompute="sqrt"), {"n_expert": 4, "top_k": 2}, False)],
+        (P(dp=4, tp=2, recompute="sqrt"), {"n_expert": 4, "top_k": 2}, False),
+        # sequence parallelism: each tp rank routes its T/tp slice; router and expert gradients summed over tp
+        (P(dp=4, ep=2, tp=2, sequence_parallel=True), {"n_expert": 4, "top_k": 2}, False),
+        (P(pp=2, dp=2, ep=2, tp=2, zero=1, sequence_parallel=True, microbatches=2), {"n_expert": 4, "top_k": 2},
+         False)],
     5: [(P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, True),
         (P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, False)],
 }
@@ -274,7 +278,8 @@ def _moe_reference(plan, cfg, collapsed, batch):
     try:
         model = _moe_model(cfg, collapsed)
         # one capacity group per rank's micro-batch, and per cp rank's positions of it
-        set_moe_groups(model, plan.dp * plan.microbatches, cp=plan.cp, layout=plan.cp_layout)
+        set_moe_groups(model, plan.dp * plan.microbatches, cp=plan.cp, layout=plan.cp_layout,
+                       tp=plan.tp if plan.sequence_parallel else 1)
         ref = train_reference(cfg, TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3), progress=False, model=model)
     finally:
         torch.set_default_dtype(torch.float32)

@@ -41,7 +41,8 @@ MOE = CFG.replace(n_expert=4, top_k=2)
 
 
 @pytest.mark.parametrize("plan, world, match", [
-    (ParallelPlan(dp=2, tp=2, ep=2, sequence_parallel=True), 4, r"sequence_parallel with a mixture of experts"),
+    (ParallelPlan(dp=2, tp=2, sequence_parallel=True, recompute="full"), 4,
+     r"with sequence parallelism and experts: the replay's collectives in MoE blocks"),
     (ParallelPlan(dp=4, ep=2, recompute="full"), 4, r"repeat each MoE layer's all-to-all"),
     (ParallelPlan(dp=4, ep=2, zero=3), 4, r"FSDP and optimizer offload over those two groups are not built"),
     (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="bf16"), 2,
@@ -58,6 +59,7 @@ def test_an_moe_plan_that_cannot_work_is_refused_with_the_fix(plan, world, match
     (ParallelPlan(dp=4, ep=2, cp=2), 8), (ParallelPlan(pp=2, dp=2, ep=2, tp=2, microbatches=2), 8),
     (ParallelPlan(pp=2, dp=2, ep=2, cp=2, microbatches=2), 8),
     (ParallelPlan(pp=2, dp=4, ep=2, zero=1, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=2, ep=2, tp=2, zero=1, sequence_parallel=True, microbatches=2), 8),
 ])
 def test_experts_compose_with_tp_pp_and_cp(plan, world):
     assert plan.check(MOE, world, batch_size=4 * plan.dp) is plan

@@ -21,6 +21,8 @@ and per layer the ledger shows `megatron.layer_bytes` (docs/formulas.md §4.1).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -28,7 +30,8 @@ from ...distributed.mesh import axis_comm
 from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...core.model import GPT, TP_PLAN, blocks_of
 from ..pipeline.stage import PipelineStage
-from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
+from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_reduce, f, g_sp,
+                       layer_bytes,
                        padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
 from .sequence import SequenceParallelLayerNorm, SequenceParallelRegion, saving_slice_only
 
@@ -167,8 +170,8 @@ class TensorParallelGPT(nn.Module):
         logits = self.head(x)
         loss = None if targets is None else self.loss(logits, targets)
         if loss is not None and self.config.n_expert:          # the load-balancing loss, as the GPT adds it
-            from ...core.model import moe_aux_loss
-            loss = loss + moe_aux_loss(self)
+            from ...core.model import moe_aux_loss              # (SP: each tp rank's share of the mean over its
+            loss = loss + moe_aux_loss(self) / (self.tp_size if self.sequence_parallel else 1)   # slices' groups)
         return logits, loss
 
     def stage_bounds(self, n_stages: int):
@@ -247,6 +250,11 @@ def apply_tp(model, mesh_or_comm, *, sequence_parallel: bool = False, regather: 
                 new.weight = model.wte.weight
         if new is not None:
             setattr(model.get_submodule(parent) if parent else model, attr, new)
+    if sequence_parallel:                 # experts on a slice of the sequence: their gradients summed over tp
+        for i, block in model.blocks.named_children():
+            if not hasattr(block.mlp, "fc_in"):
+                for pname, p in block.mlp.named_parameters():
+                    p.register_hook(functools.partial(all_reduce, comm, tag=f"sp_params/blocks.{i}.mlp.{pname}"))
     tp = TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
     if hasattr(model, "layout"):          # a ContextParallelGPT: its tokens and ring attention (on this rank's heads)
         tp.context = (model.comm, model.layout)
@@ -270,7 +278,8 @@ def layer_traffic(ledger, layer: int, group: str | None = None) -> dict:
 def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *,
                             sequence_parallel: bool = False, regather: bool = True, plan: str = "megatron",
                             seq_len: int | None = None, layers: int | None = None, embed: bool = True,
-                            head: bool = True, loss_elem: int | None = None) -> dict:
+                            head: bool = True, loss_elem: int | None = None,
+                            experts_held: int | None = None) -> dict:
     """Bytes tp rank `rank` sends in one forward + backward of `apply_tp`'s model, by part (exact, ring collectives).
     A pipeline stage sends only its part: `layers` blocks (default: all n_layer), the embedding's collectives if
     it holds the embedding, the head's and the loss's if it holds the head (`PipelineLayout.parts(pp_rank)`).
@@ -283,7 +292,8 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
                     loss fp32 logits)
         regather    SP with regather: the input of both regions of each layer and of the head, gathered again
         sp_params   SP: the gradients of what is replicated but used on a slice of the sequence (LayerNorms,
-                    row-parallel biases, positions), summed over the tp ranks
+                    row-parallel biases, positions; with experts the router and the `experts_held` experts of
+                    every MoE block, default all n_expert, once per tensor), summed over the tp ranks
     """
     b, s, h, t = micro_batch_size, seq_len or cfg.seq_len, cfg.d_model, tp_size
     L = cfg.n_layer if layers is None else layers
@@ -300,10 +310,14 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
     if plan == "naive":
         out["naive"] = L * 2 * ar
     if sequence_parallel and regather:
-        out["regather"] = (2 * L + head) * ag
+        out["regather"] = ((1 if cfg.n_expert else 2) * L + head) * ag     # MoE blocks: attention's region only
     if sequence_parallel:
         nb = 1 if cfg.bias else 0
-        sizes = L * ([h] * (2 * (1 + nb) + 2 * nb)) + head * [h] * (1 + nb) + embed * [cfg.seq_len * h]
+        per_block = [h] * (2 * (1 + nb) + 2 * nb)              # ln1, ln2; wo's and fc_out's biases
+        if cfg.n_expert:                                        # no fc_out: the router and the experts held
+            r, E = cfg.mlp_ratio * h, cfg.n_expert if experts_held is None else experts_held
+            per_block = [h] * (2 * (1 + nb) + nb) + [cfg.n_expert * h] + E * ([r * h, h * r] + nb * [r, h])
+        sizes = L * per_block + head * [h] * (1 + nb) + embed * [cfg.seq_len * h]
         out["sp_params"] = sum(ring_all_reduce_bytes(n, t, rank, elem) for n in sizes)
     return out
 

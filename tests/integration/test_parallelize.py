@@ -226,6 +226,7 @@ MOE = {
         (P(dp=4, tp=2, recompute="sqrt"), {"n_expert": 4, "top_k": 2}, False),
         # sequence parallelism: each tp rank routes its T/tp slice; router and expert gradients summed over tp
         (P(dp=4, ep=2, tp=2, sequence_parallel=True), {"n_expert": 4, "top_k": 2}, False),
+        (P(dp=2, ep=2, cp=2, tp=2, sequence_parallel=True), {"n_expert": 4, "top_k": 1}, True),
         (P(pp=2, dp=2, ep=2, tp=2, zero=1, sequence_parallel=True, microbatches=2), {"n_expert": 4, "top_k": 2},
          False)],
     5: [(P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, True),

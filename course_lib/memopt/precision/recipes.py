@@ -4,7 +4,7 @@ A recipe names the compute dtype (weights, activations and gradients of forward 
 master copy is what the optimizer updates, and whether the loss is scaled. Model states with Adam: fp16 mixed
 precision 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, Rajbhandari et al. SC'20 §3.1, K = 12); 8-bit Adam's
 state 2 + 8/B (Dettmers et al. 2022; formulas §7.4). The one place precision is chosen: `apply_precision` casts the
-model by the recipe, `course_lib.optim.make` builds the optimizer from it.
+model by the recipe, `course_lib.optim.build` builds the optimizer from it.
 """
 from __future__ import annotations
 

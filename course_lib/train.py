@@ -367,7 +367,8 @@ def profile_training_memory(cfg: GPTConfig | str, batch_size: int, seq_len: int 
     if seq_len is not None:
         cfg = cfg.replace(seq_len=seq_len)
     model = GPT(cfg, seed=tc.seed)
-    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(tc))   # what the probe measures: AdamW, 8 B/param of state
+    # what the probe measures: AdamW, 8 B/param of state
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(tc))
     batches = ShardedBatches(cfg.seq_len, batch_size, seed=tc.data_seed)
     r = run(model, opt, batches, steps=steps, probes=[MemoryProbe(capacity=capacity, timeline=timeline)])
     params = list(model.parameters())

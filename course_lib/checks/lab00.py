@@ -83,7 +83,8 @@ def check_model_state_bytes(fn) -> None:
 def check_activation_crossover(fn) -> None:
     """fn(cfg, seq_len, state_bytes) -> smallest batch whose activations reach state_bytes."""
     with check("activation_crossover") as c:
-        cases = [(get_config("mini"), 32), (get_config("mini"), 128), (get_config("micro"), 64), (get_config("nano"), 16)]
+        cases = [(get_config("mini"), 32), (get_config("mini"), 128), (get_config("micro"), 64),
+                 (get_config("nano"), 16)]
         for cfg, T in cases:
             states = 16 * count_parameters(GPT(cfg))
             got = fn(cfg, T, states)

@@ -79,7 +79,8 @@ class ShardedBatches:
             raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         self.tokens = load_tokens(self.split)
         if len(self.tokens) <= self.seq_len + 1:
-            raise ValueError(f"seq_len={self.seq_len} is too long for the {self.split} split ({len(self.tokens)} tokens)")
+            raise ValueError(f"seq_len={self.seq_len} is too long for the {self.split} split "
+                             f"({len(self.tokens)} tokens)")
 
     @property
     def global_batch_size(self) -> int:

@@ -102,7 +102,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _snapshot(self):
         if self._record and len(self.timeline) < self._max_timeline:
-            self.timeline.append((now(), {p: dict(r) for p, r in self._bytes.items() if p == "device" or any(r.values())}))
+            self.timeline.append((now(), {p: dict(r) for p, r in self._bytes.items()
+                                          if p == "device" or any(r.values())}))
 
     def _add(self, storage, category: str, placement: str) -> None:
         key = storage._cdata

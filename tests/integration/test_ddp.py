@@ -323,7 +323,8 @@ def _bad_inputs(ctx):
     expect("not a communicator", TypeError, lambda: D.DataParallelBucket(GPT(PRESET), object()))
     expect("algorithm", ValueError, lambda: D.DataParallelOverlap(GPT(PRESET), ctx.comm, algorithm="carrier pigeon"))
     for cap in (0, -5, 1.5, True):
-        expect(f"cap {cap!r}", ValueError, lambda: D.DataParallelBucket(GPT(PRESET), ctx.comm, bucket_cap_bytes=cap))
+        expect(f"cap {cap!r}", ValueError,
+               lambda cap=cap: D.DataParallelBucket(GPT(PRESET), ctx.comm, bucket_cap_bytes=cap))
     frozen = GPT(PRESET).requires_grad_(False)
     expect("all frozen", ValueError, lambda: D.DataParallelNaive(frozen, ctx.comm))
     expect("uneven batch", ValueError, lambda: data_parallel_batches(ctx.comm, 8, 5))

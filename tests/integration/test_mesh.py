@@ -1,5 +1,5 @@
-"""The rank mesh (course_lib.distributed.mesh) on real ranks: the groups are the expected rank sets, every axis books its
-traffic under its own name in the one ledger, axes of size 1 cost nothing, and data is split by dp rank only."""
+"""The rank mesh (course_lib.distributed.mesh) on real ranks: the groups are the expected rank sets, every axis books
+its traffic under its own name in the one ledger, axes of size 1 cost nothing, and data is split by dp rank only."""
 import pytest
 import torch
 

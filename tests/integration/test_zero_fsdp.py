@@ -92,7 +92,8 @@ def _gpt_worker(ctx, cfg, tc):
 
 @pytest.fixture(scope="module")
 def odd_reference():
-    return {n: train_reference(ODD, TrainConfig(steps=STEPS, batch_size=2 * n, eps=EPS), progress=False) for n in (2, 3, 4)}
+    return {n: train_reference(ODD, TrainConfig(steps=STEPS, batch_size=2 * n, eps=EPS), progress=False)
+            for n in (2, 3, 4)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

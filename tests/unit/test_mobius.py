@@ -104,7 +104,8 @@ def test_mappings_place_adjacent_stages_and_contention_never_speeds_up():
     assert all(topo.switch(a) == topo.switch(b) for a, b in zip(seq[0::2], seq[1::2]))
     assert all(topo.switch(a) != topo.switch(b) for a, b in zip(cross, cross[1:]))
     P, f = [1e9] * 16, [5e-3] * 16
-    alone = MC.mobius_cluster_time(P, f, [2 * x for x in f], 4, MC.Topology(8, 1), MC.sequential_mapping(16, MC.Topology(8, 1)))
+    alone = MC.mobius_cluster_time(P, f, [2 * x for x in f], 4, MC.Topology(8, 1),
+                                   MC.sequential_mapping(16, MC.Topology(8, 1)))
     shared = MC.mobius_cluster_time(P, f, [2 * x for x in f], 4, topo, MC.sequential_mapping(16, topo))
     assert shared["seconds"] >= alone["seconds"]
 

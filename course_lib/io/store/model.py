@@ -79,8 +79,8 @@ class CloudModel:
                           f"{self.source}; every rate divided by {factor:g}, times kept")
 
     def label(self) -> str:
-        return (f"{self.name} (modeled: α = {self.first_byte_s * 1e3:.0f} ms, B_conn = {self.conn_bytes_per_s / 1e6:.3g} "
-                f"MB/s, B_nic = {self.nic_bytes_per_s / 1e6:.4g} MB/s)")
+        return (f"{self.name} (modeled: α = {self.first_byte_s * 1e3:.0f} ms, "
+                f"B_conn = {self.conn_bytes_per_s / 1e6:.3g} MB/s, B_nic = {self.nic_bytes_per_s / 1e6:.4g} MB/s)")
 
 
 # formulas §10.1: one request per 85–90 MB/s; ~15 requests fill a 10 Gb/s NIC. First byte: AWS quotes 100–200 ms

@@ -16,9 +16,9 @@ in `course_lib.memopt.memory_fit`; it is re-exported here for notebook 07.
 
 On a CPU box the "device" is the simulated accelerator (`memory.SimulatedAccelerator`: only bytes placed on the
 device count against its capacity), "host" is memory labelled `placed("host")` and "disk" real files. Every transfer
-is a real copy, booked in a transfer log (a `distributed.comm.Ledger` whose group is "pcie" or "disk": d2h and writes are
-"sent", h2d and reads "received"). The PCIe link's *time* is the α–β model (`costmodel.PRESETS`, labelled modeled);
-disk time is measured. Checked against (docs/formulas.md §6):
+is a real copy, booked in a transfer log (a `distributed.comm.Ledger` whose group is "pcie" or "disk": d2h and writes
+are "sent", h2d and reads "received"). The PCIe link's *time* is the α–β model (`costmodel.PRESETS`, labelled
+modeled); disk time is measured. Checked against (docs/formulas.md §6):
 
     activations on the device, offloaded    A_emb + A_layer + max(A_head, A_layer)   the layers in flight: the one
                                             whose backward runs and the one arriving (§6.4); each further forward

@@ -38,7 +38,7 @@ from .blockwise import (  # noqa: F401
 from .weights import QuantizedLinear, model_bytes, ptq_bytes, quantize_weights
 
 __all__ = ["KINDS", "PAPER_BLOCK_SIZE", "dynamic_map", "QTensor", "quantize_blockwise", "dequantize_blockwise",
-           "error_bound", "payload_bytes", "block_lengths", "Adam8bit", "adam8bit_state_bytes", "COMM_KINDS", "QGRAD_TAG",
-           "wire_bytes", "quantized_ring_all_reduce_bytes", "relative_half_step", "quantized_all_reduce_error_bound",
-           "quantized_all_reduce", "quantized_data_parallel",
+           "error_bound", "payload_bytes", "block_lengths", "Adam8bit", "adam8bit_state_bytes", "COMM_KINDS",
+           "QGRAD_TAG", "wire_bytes", "quantized_ring_all_reduce_bytes", "relative_half_step",
+           "quantized_all_reduce_error_bound", "quantized_all_reduce", "quantized_data_parallel",
            "QuantizedLinear", "quantize_weights", "model_bytes", "ptq_bytes"]

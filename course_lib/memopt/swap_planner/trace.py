@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from ...core.costmodel import Link
 from ...memory import MemoryTracker, now, saved_tensors_hooks_over, untracked
 from ..memory_fit import DEFAULT_LINK
 from ..offload import StorageSwap, _Packed, transfer_log
+
+if TYPE_CHECKING:
+    from . import SwapPlan  # for the annotations only (plans.py imports this module)
 
 
 @dataclass

@@ -70,5 +70,5 @@ __all__ = ["apply_tp", "tp_plan", "check_tp", "TensorParallelGPT", "STYLES", "la
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab", "CollectiveLog", "Call",
            "layer_bytes", "sp_layer_bytes", "SequenceParallelLayerNorm", "SequenceParallelRegion",
            "saving_slice_only", "layer_activation_bytes", "tp_activation_bytes", "paper_activation_bytes",
-           "LayerActivationProbe", "Grid", "make_grid", "grid_of", "grid_shape", "GridLinear", "summa", "summa_abt", "summa_atb", "grid_bytes",
-           "grid_memory", "colossal_bandwidth", "COLOSSAL_BANDWIDTH", "KINDS"]
+           "LayerActivationProbe", "Grid", "make_grid", "grid_of", "grid_shape", "GridLinear", "summa", "summa_abt",
+           "summa_atb", "grid_bytes", "grid_memory", "colossal_bandwidth", "COLOSSAL_BANDWIDTH", "KINDS"]

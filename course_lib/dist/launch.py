@@ -173,7 +173,7 @@ def _launch_local(fn, world_size, args, kwargs, timeout, backend, method, allow_
             procs.append(p)
             conns.append(recv_end)
         listener.close()                            # rank 0 holds the port now; it closes when rank 0 ends
-        return _collect(procs, conns, timeout, tmpdir, allow_deaths)
+        return _collect(procs, conns, timeout, tmpdir, allow_deaths, method)
     finally:
         listener.close()
         _kill_all(procs)
@@ -207,12 +207,18 @@ def _rank_env() -> dict[str, str]:
         return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
+# A rank that is not forked runs Python's start-up before the worker; an error there (most often a script that
+# launches without `if __name__ == "__main__":`, so each rank launches again) is printed to stderr, not sent back.
+_START_HINT = ("\nIt may have failed before its worker started; its error is printed above this message. A script "
+               "that calls launch under spawn or forkserver must do so inside `if __name__ == '__main__':`.")
+
+
 # Errors a rank raises because *another* rank failed: never the cause when a better candidate exists.
 _PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
                   "Socket Timeout", "Timed out waiting", "connection refused")
 
 
-def _collect(procs, conns, timeout, tmpdir, allow_deaths=False):
+def _collect(procs, conns, timeout, tmpdir, allow_deaths=False, method="fork"):
     """Wait for every rank's report; on the first failure give the others a short grace, then stop them (a death
     is no failure with `allow_deaths`: the others go on)."""
     n = len(procs)
@@ -253,6 +259,8 @@ def _collect(procs, conns, timeout, tmpdir, allow_deaths=False):
                 code = procs[i].exitcode
                 failures[i] = f"rank {i} exited with code {code} without reporting a result " \
                               f"(killed by a signal, or os._exit/sys.exit in the worker)" + _fatal_dump(tmpdir, i)
+                if method != "fork" and not conns[i].poll() and procs[i].exitcode == 1:
+                    failures[i] += _START_HINT
                 causes.append((1, time.time(), i, "RankDied", f"exited with code {code} without a result"))
             if kind is not None:
                 pending.discard(i)

@@ -90,6 +90,19 @@ def _die_with_parent(caller: int | None = None) -> None:
     # caller is simply gone.
     if os.getppid() != caller and not _alive(caller):
         os._exit(1)
+    if os.getppid() != caller:
+        _release_fork_server()
+
+
+def _release_fork_server() -> None:
+    """A fork server's child inherits the write end of the server's 'alive' pipe, and the server exits only when
+    every holder has closed it: kept open here, a dead caller would leave the server, and so this rank, running."""
+    from multiprocessing import forkserver
+    fd = forkserver._forkserver._forkserver_alive_fd
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None
 
 
 def _exit_when_ready(sentinel) -> None:

@@ -53,9 +53,10 @@ def choose_start_method(start_method: str | None, backend: str, env: dict | None
         source, method = f"${ENV}", env[ENV].strip().lower()
         if method == "fork" and backend == "nccl":
             method = None
-    if method is None:
-        return default_start_method(backend)
     available = [m for m in METHODS if m in mp.get_all_start_methods()]
+    if method is None:
+        method = default_start_method(backend)
+        return method if method in available else "spawn"
     if method not in METHODS:
         raise ValueError(f"{source}={method!r}: pick one of {', '.join(available)}")
     if method not in available:
@@ -126,12 +127,12 @@ def _parts(obj, label: str):
         name = obj.__qualname__
         for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
             try:
-                yield f"`{var}`, which `{name}` closes over", cell.cell_contents
+                yield f"`{var}` (closed over by `{name}`)", cell.cell_contents
             except ValueError:     # an empty cell (a name assigned later)
                 continue
         for var in sorted(_global_names(obj.__code__)):
             if var in obj.__globals__:
-                yield f"the global `{var}` that `{name}` uses", obj.__globals__[var]
+                yield f"`{var}` (a global `{name}` uses)", obj.__globals__[var]
         for i, d in enumerate(obj.__defaults__ or ()):
             yield f"a default argument of `{name}`", d
         for k, d in (obj.__kwdefaults__ or {}).items():

@@ -68,9 +68,15 @@ def test_notebook_guard_without_course_lib_prints_what_to_run():
     nb = nbformat.read(ROOT / "notebooks" / "00_orientation.ipynb", as_version=4)
     guard = next(c.source for c in nb.cells if c.cell_type == "code" and "check_environment()" in c.source)
     # -S: no site-packages, so course_lib is not importable — as in a kernel of another environment
-    out = subprocess.run([sys.executable, "-S", "-c", guard], capture_output=True, text=True, cwd="/", timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}     # nor through PYTHONPATH
+    out = subprocess.run([sys.executable, "-S", "-c", guard], capture_output=True, text=True, cwd="/", timeout=60,
+                         env=env)
     assert out.returncode != 0
     assert "make lab" in out.stderr and "Traceback" not in out.stderr
+    assert '%pip install "git+' in out.stderr                            # outside a clone: from the repository
+    inside = subprocess.run([sys.executable, "-S", "-c", guard], capture_output=True, text=True, timeout=60,
+                            cwd=ROOT / "notebooks", env=env)
+    assert f'%pip install -e "{ROOT}"' in inside.stderr                  # in a clone (a JupyterHub): that folder
 
 
 def test_the_course_kernel_runs_one_openmp_thread():

@@ -199,3 +199,50 @@ def test_killing_the_caller_leaves_no_rank_behind(tmp_path, method):
             os.killpg(caller.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def test_gloo_gets_the_loopback_interface_only_where_the_host_name_does_not_resolve(monkeypatch):
+    """gloo warns at every launch when the host name does not resolve to a bindable address (macOS often): launch
+    then names the loopback interface for its ranks; otherwise it leaves gloo's own choice alone."""
+    import socket
+    from course_lib.dist import launch as L
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    lo = L._loopback_interface()
+    assert lo in [name for _, name in socket.if_nameindex()] and lo in ("lo", "lo0")
+    assert L._rank_env() == {} or socket.gethostname()       # this machine's name resolves (or not): no crash
+
+    def unresolvable(name):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    assert L._rank_env() == {"GLOO_SOCKET_IFNAME": lo}
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    assert L._rank_env() == {}                               # the user's own choice wins
+
+
+def _rank_sees(ctx):
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+@pytest.mark.parametrize("method", ["fork", *NON_FORK])
+def test_the_ranks_get_that_interface_under_every_method(method, monkeypatch, no_leaks):
+    from course_lib.dist import launch as L
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(L, "_rank_env", lambda: {"GLOO_SOCKET_IFNAME": L._loopback_interface()})
+    assert launch(_rank_sees, 2, start_method=method, timeout=120) == [L._loopback_interface()] * 2
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL): this machine has none")
+def test_nccl_runs_a_notebook_worker_on_one_gpu_per_rank(notebook, no_leaks):
+    """The README's NCCL path from a notebook: a worker defined in a cell, by value to fork-server ranks, one GPU
+    each; the same sums as gloo on CPU."""
+    import torch
+
+    def gpu_worker(ctx, n):
+        t = torch.arange(n, dtype=torch.float64, device=ctx.device) * (ctx.rank + 1)
+        torch.distributed.all_reduce(t)
+        return str(t.device), float(t.sum())
+    gpu_worker.__module__ = "__main__"
+    world = min(torch.cuda.device_count(), 4)
+    out = launch(gpu_worker, world, 10, backend="nccl", timeout=300)
+    assert [d for d, _ in out] == [f"cuda:{r}" for r in range(world)]
+    assert all(s == (world * (world + 1) / 2) * 45 for _, s in out)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 MIN_PYTHON = (3, 11)   # numpy, matplotlib, ipykernel and nbgrader as pinned need 3.11
-FIX = "From the course folder run `make lab` (it installs everything into .venv and registers the course kernel), " \
-      "then pick the kernel 'Python (LLM systems course)' in JupyterLab."
+FIX = "From the course folder run `make lab` (it installs everything into .venv and opens JupyterLab with it), or " \
+      "`pip install -e <course folder>` into this kernel's environment and restart the kernel."
 
 
 class EnvironmentProblem(RuntimeError):

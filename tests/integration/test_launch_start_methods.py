@@ -246,3 +246,21 @@ def test_nccl_runs_a_notebook_worker_on_one_gpu_per_rank(notebook, no_leaks):
     out = launch(gpu_worker, world, 10, backend="nccl", timeout=300)
     assert [d for d, _ in out] == [f"cuda:{r}" for r in range(world)]
     assert all(s == (world * (world + 1) / 2) * 45 for _, s in out)
+
+
+@pytest.mark.parametrize("method", NON_FORK)
+def test_a_raising_rank_and_a_hanging_one_end_the_launch_with_every_stack(method, no_leaks):
+    """launch's guarantees hold for ranks that are not forked: the failing rank's traceback heads the error, the
+    others are stopped with their stacks (faulthandler on SIGUSR1), a hang ends at the timeout."""
+    from tests.integration.test_launch import _one_rank_raises, _rank0_hangs
+    with pytest.raises(LaunchError) as err:
+        launch(_one_rank_raises, 3, start_method=method, timeout=120)
+    assert str(err.value).startswith("rank 1 raised ZeroDivisionError: rank one divided by zero")
+    assert set(err.value.failures) == {0, 1, 2} and "_one_rank_raises" in err.value.failures[1]
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out after 4 s") as err:
+        launch(_rank0_hangs, 2, start_method=method, timeout=4)
+    assert "_rank0_hangs" in err.value.failures[0]
+    # rank 1 returns at once, once started; a spawned one may still be importing torch at 4 s on a loaded machine
+    assert list(err.value.failures) == [0] or method == "spawn"
+    assert time.monotonic() - t0 < 60

@@ -259,7 +259,7 @@ def _collect(procs, conns, timeout, tmpdir, allow_deaths=False, method="fork"):
                 code = procs[i].exitcode
                 failures[i] = f"rank {i} exited with code {code} without reporting a result " \
                               f"(killed by a signal, or os._exit/sys.exit in the worker)" + _fatal_dump(tmpdir, i)
-                if method != "fork" and not conns[i].poll() and procs[i].exitcode == 1:
+                if method != "fork" and code == 1:
                     failures[i] += _START_HINT
                 causes.append((1, time.time(), i, "RankDied", f"exited with code {code} without a result"))
             if kind is not None:

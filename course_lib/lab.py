@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--setup-only", action="store_true", help="register the kernel and settings, start nothing")
     ap.add_argument("--user", action="store_true", help="register the kernel for this user (JupyterHub)")
     args, rest = ap.parse_known_args(argv)
-    if not (ROOT / "notebooks").is_dir():
+    if not args.setup_only and not (ROOT / "notebooks").is_dir():
         raise SystemExit(f"error: no notebooks/ beside {Path(__file__).parent}: course_lib.lab opens the course "
                          f"folder, so install from a clone (git clone <the course repository URL>; cd into it; "
                          f"pip install -e \".[lab]\")")

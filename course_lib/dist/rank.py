@@ -62,11 +62,13 @@ except OSError:
 
 
 def _alive(pid: int) -> bool:
+    if sys.platform == "win32":     # os.kill(pid, 0) would end the process there; a spawned rank's parent is the caller
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:          # PermissionError: it exists; Windows: os.kill(pid, 0) would end it, never called there
+    except OSError:          # PermissionError: it exists
         return True
     return True
 

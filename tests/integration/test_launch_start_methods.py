@@ -156,6 +156,9 @@ def test_a_rank_that_cannot_load_its_worker_reports_the_traceback(no_leaks):
 _CALLER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
+if {no_pdeathsig!r}:                 # as on macOS: no PR_SET_PDEATHSIG, so each rank's watching thread must do it
+    import course_lib.dist.rank
+    course_lib.dist.rank._LIBC = None
 from course_lib.dist.launch import launch
 def sleeper(ctx):
     print("PID", os.getpid(), flush=True)
@@ -165,13 +168,14 @@ if __name__ == "__main__":     # a spawned rank imports this script again: the l
 """
 
 
-@pytest.mark.parametrize("method", NON_FORK)
-def test_killing_the_caller_leaves_no_rank_behind(tmp_path, method):
+@pytest.mark.parametrize("method,no_pdeathsig", [*((m, False) for m in NON_FORK), ("fork", True)])
+def test_killing_the_caller_leaves_no_rank_behind(tmp_path, method, no_pdeathsig):
     """Under the fork server a rank's parent is the server, not the caller: the server exits when the caller dies,
     and PR_SET_PDEATHSIG takes the ranks with it (the check that a rank's parent is the caller once took the
-    server for a dead parent and ended every rank at start)."""
+    server for a dead parent and ended every rank at start). Without PR_SET_PDEATHSIG (macOS) a thread in each rank
+    waits on multiprocessing's parent sentinel: forked ranks are run that way here (their module is the caller's)."""
     script = tmp_path / "caller.py"
-    script.write_text(_CALLER.format(root=os.getcwd(), method=method))
+    script.write_text(_CALLER.format(root=os.getcwd(), method=method, no_pdeathsig=no_pdeathsig))
     caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     ranks = []

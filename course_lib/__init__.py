@@ -30,7 +30,7 @@ show it (`show_source`) and measure it.
 Layers, bottom to top — a module imports only its own layer and those below (tests/test_layering.py reads every
 import, function-local ones too):
 
-    foundation   model, moe, data, memory, files, costmodel, plots (and this package)
+    foundation   model, moe, data, memory, files, costmodel, plots, lab (set-up and JupyterLab) (and this package)
     dist         dist/ (and run, the torchrun entry)
     train        train
     techniques   parallel/, memopt/, optim/, transports/, fits

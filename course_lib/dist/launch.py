@@ -30,13 +30,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import importlib
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import shutil
-import sys
 import signal
 import socket
 import tempfile
@@ -191,20 +190,27 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _rank_env() -> dict[str, str]:
-    """Environment the ranks set before joining: gloo's interface when the host name does not resolve to an
-    address this machine can bind (macOS often), since gloo would print a fallback warning into the notebook at
-    every launch. A GLOO_SOCKET_IFNAME the user set wins."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
+@functools.lru_cache(maxsize=1)
+def _hostname_binds() -> bool:
+    """Whether this machine's host name resolves to an address it can bind, as gloo needs (asked once: a resolver
+    that times out would otherwise cost every launch)."""
     try:
         addr = socket.gethostbyname(socket.gethostname())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((addr, 0))
-        return {}
+        return True
     except OSError:
-        name = _loopback_interface()
-        return {"GLOO_SOCKET_IFNAME": name} if name else {}
+        return False
+
+
+def _rank_env() -> dict[str, str]:
+    """Environment the ranks set before joining: gloo's interface when the host name does not resolve to an
+    address this machine can bind (macOS often), since gloo would print a fallback warning into the notebook at
+    every launch. A GLOO_SOCKET_IFNAME the user set wins."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or _hostname_binds():
+        return {}
+    name = _loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
 # A rank that is not forked runs Python's start-up before the worker; an error there (most often a script that

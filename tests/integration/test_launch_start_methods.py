@@ -218,7 +218,11 @@ def test_gloo_gets_the_loopback_interface_only_where_the_host_name_does_not_reso
     def unresolvable(name):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     monkeypatch.setattr(socket, "gethostbyname", unresolvable)
-    assert L._rank_env() == {"GLOO_SOCKET_IFNAME": lo}
+    L._hostname_binds.cache_clear()
+    try:
+        assert L._rank_env() == {"GLOO_SOCKET_IFNAME": lo}
+    finally:
+        L._hostname_binds.cache_clear()
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     assert L._rank_env() == {}                               # the user's own choice wins
 

@@ -11,7 +11,7 @@ rank, and how often to checkpoint. Notebook 10.
     redundant    Bamboo: each pipeline stage also runs its successor's forward and keeps its replica; a killed
                  stage is taken over by its predecessor in the running processes, without disk or restart
     failures     Young/Daly's checkpoint interval and a seeded simulation of goodput, and fault injectors
-    references   the production references: torchrun --max-restarts, torch.distributed.checkpoint, torchft;
+    references/  the production references: torchrun --max-restarts, torch.distributed.checkpoint, torchft;
                  the workers that run under them
     plots        Bamboo's recovery drawn from the survivors' records
 """

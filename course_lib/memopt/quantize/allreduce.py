@@ -154,7 +154,7 @@ def quantized_data_parallel(module: nn.Module, mesh_or_comm, *, kind: str = "int
             with alloc_category("comm"):
                 self.residuals = [torch.zeros(b.numel) for b in self.buckets] if error_feedback else None
 
-        def _reduce_bucket(self, bucket):
+        def reduce_bucket(self, bucket):
             quantized_all_reduce(self.comm, bucket.buffer, "avg", kind=self.kind, block_size=self.block_size,
                                  residual=None if self.residuals is None else self.residuals[bucket.index])
 

@@ -81,8 +81,9 @@ def source_of(obj, *, only=None) -> str:
 
 
 def _function_of(member):
-    """The function behind a method, property (its getter), classmethod or staticmethod."""
-    return getattr(member, "fget", None) or getattr(member, "__func__", member)
+    """The function behind a method, property (its getter), classmethod or staticmethod, under its decorators."""
+    import inspect
+    return inspect.unwrap(getattr(member, "fget", None) or getattr(member, "__func__", member))
 
 
 def show_source(obj, *, title: str | None = None, only=None):

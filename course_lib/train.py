@@ -46,13 +46,8 @@ class TrainConfig:
                              f"batch_size={self.batch_size}, lr={self.lr}")
 
 
-def make_optimizer(params, tc: TrainConfig = TrainConfig(), optimizer_cls=torch.optim.AdamW) -> torch.optim.Optimizer:
-    """The course's optimizer: AdamW with the TrainConfig's hyper-parameters (one place, so every variant matches)."""
-    return optimizer_cls(params, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
-
-
 def optimizer_kwargs(tc: TrainConfig) -> dict:
-    """The TrainConfig's optimizer hyper-parameters, for wrappers that build the optimizer themselves (ZeRO)."""
+    """The TrainConfig's optimizer hyper-parameters: `course_lib.optim.build(model, **optimizer_kwargs(tc))`."""
     return dict(lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
 
 
@@ -322,7 +317,7 @@ def train_reference(cfg: "GPTConfig | str" = "micro", tc: TrainConfig = TrainCon
     """Train on one process with the global batch; return the loss history (and the model and optimizer)."""
     cfg = get_config(cfg)
     model = model or GPT(cfg, seed=tc.seed)
-    opt = make_optimizer(model.parameters(), tc)
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(tc))   # torch's own: the reference
     batches = ShardedBatches(cfg.seq_len, tc.batch_size, seed=tc.data_seed)
     r = run(model, opt, batches, steps=tc.steps, progress=progress, desc=desc)
     return TrainResult(r.losses, model, opt, r.seconds, r.tokens)
@@ -372,7 +367,7 @@ def profile_training_memory(cfg: "GPTConfig | str", batch_size: int, seq_len: in
     if seq_len is not None:
         cfg = cfg.replace(seq_len=seq_len)
     model = GPT(cfg, seed=tc.seed)
-    opt = make_optimizer(model.parameters(), tc)
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(tc))   # what the probe measures: AdamW, 8 B/param of state
     batches = ShardedBatches(cfg.seq_len, batch_size, seed=tc.data_seed)
     r = run(model, opt, batches, steps=steps, probes=[MemoryProbe(capacity=capacity, timeline=timeline)])
     params = list(model.parameters())

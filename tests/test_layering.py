@@ -126,3 +126,36 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     src.write_text("def f():\n    from ..parallel.zero import apply_zero\n")
     known = {"course_lib.parallel.zero", "course_lib.parallel", "course_lib.distributed.m"}
     assert _imports("course_lib.distributed.m", src, False, known) == {"course_lib.parallel.zero"}
+
+
+def _package(module: str) -> str:
+    """The top-level package a module belongs to ('course_lib.parallel' for course_lib.parallel.zero)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_two_packages_import_each_other():
+    """Between two top-level packages imports go one way only (a module importing its own package's __init__ or
+    the course_lib package itself does not count): the tree then reads bottom to top, and a package can be
+    understood, tested and moved with only what is below it."""
+    edges = {}
+    for mod, deps in _graph().items():
+        for dep in deps:
+            a, b = _package(mod), _package(dep)
+            if a != b and "course_lib" not in (a, b):
+                edges.setdefault((a, b), []).append(f"{mod} -> {dep}")
+    both = sorted(f"{a} <-> {b}: {edges[(a, b)][0]} and {edges[(b, a)][0]}" for a, b in edges
+                  if (b, a) in edges and a < b)
+    assert not both, "packages that import each other:\n" + "\n".join(both)
+
+
+def test_every_package_docstring_names_its_modules():
+    """Each package's docstring is its table of contents: it names every module and subpackage in it."""
+    missing = []
+    for init in sorted(ROOT.rglob("__init__.py")):
+        pkg = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        words = set(doc.replace("/", " ").replace(".", " ").replace("`", " ").replace(",", " ").split())
+        kids = [p.stem for p in pkg.glob("*.py") if p.stem != "__init__"]
+        kids += [d.name for d in pkg.iterdir() if (d / "__init__.py").exists()]
+        missing += [f"{pkg.relative_to(ROOT.parent)}: {k}" for k in sorted(kids) if k not in words]
+    assert not missing, "modules the package docstring does not name (add a line for each):\n" + "\n".join(missing)

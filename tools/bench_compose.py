@@ -25,7 +25,7 @@ def _worker(ctx, cfg, plans, steps):
     tc = TrainConfig(steps=steps, batch_size=16, lr=1e-3)
     for plan in plans:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, tp=plan.tp)
-        with parallelize(GPT(cfg, seed=0), mesh, plan, train=tc) as job:
+        with parallelize(GPT(cfg, seed=0), mesh, plan, train_config=tc) as job:
             run = job.train(steps)
         out.append(statistics.median(run.step_seconds[1:]))        # the first step warms up
     return out

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     from course_lib.distributed.launch import launch
     from course_lib.core.model import get_config, param_count
     from course_lib.parallel import dp as D
-    from course_lib.train import TrainConfig, make_optimizer
+    from course_lib import optim
+    from course_lib.train import TrainConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="micro")
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     cap = a.bucket_kib * 1024
-    make_optimizer([torch.zeros(1, requires_grad=True)])   # AdamW's lazy imports happen once here, not in every rank
+    optim.AdamW([torch.zeros(1, requires_grad=True)])   # AdamW's lazy imports happen once here, not in every rank
     wrappers = {
         "own naive (ring)": D.DataParallelNaive,
         "own bucketed (ring)": functools.partial(D.DataParallelBucket, bucket_cap_bytes=cap),

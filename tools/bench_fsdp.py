@@ -37,7 +37,7 @@ def worker(ctx, variant: str, cfg, tc: TrainConfig, warmup: int) -> dict:
         wrap = fsdp2
     else:
         stage = VARIANTS.index(variant)
-        wrap = lambda m, comm: apply_zero(m, comm, stage, **optimizer_kwargs(tc))   # noqa: E731
+        wrap = lambda m, comm: apply_zero(m, comm, stage)   # noqa: E731  (train_parallel builds the optimizer)
     run, _ = train_parallel(ctx.comm, cfg, TrainConfig(steps=warmup + tc.steps, batch_size=tc.batch_size), wrap)
     return {"median_s": statistics.median(run.step_seconds[warmup:]), "losses": run.losses}
 

@@ -91,7 +91,7 @@ def _unsupported(plan) -> str | None:
 
 
 def rank_layout(cfg, plan, tc, rank: int, dtype=torch.float32) -> dict:
-    """What rank `rank` of `parallelize(GPT(cfg), Mesh(…), plan, train=tc)` holds, built by the techniques on
+    """What rank `rank` of `parallelize(GPT(cfg), Mesh(…), plan, train_config=tc)` holds, built by the techniques on
     layout communicators: its model (TP shards, its pipeline stage), the pipeline layout, the recomputation plan of
     its blocks and the reducer over dp × cp."""
     from ..memopt.recompute import make_plan

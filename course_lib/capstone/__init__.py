@@ -93,7 +93,7 @@ def _single_worker(ctx, job: Job):
     with _default_dtype(DTYPES[job.dtype]):
         plan = ParallelPlan(precision=job.plan.precision)
         with parallelize(GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype]), Mesh(ctx.comm), plan,
-                         train=job.tc) as p:
+                         train_config=job.tc) as p:
             run = p.train(job.tc.steps, keep_params=True)
     return run.losses, run.params, None
 
@@ -202,7 +202,7 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
         ctx.comm.ledger.reset()
         model = GPT(job.cfg, seed=job.tc.seed).to(dtype)
-        with parallelize(model, mesh, plan, train=job.tc) as p:
+        with parallelize(model, mesh, plan, train_config=job.tc) as p:
             e = next(p.model.parameters()).element_size() if plan.zero != 3 else dtype.itemsize
             # a recomputation's rebuilt tensors are their own category: its activation peak needs the timeline
             mem = MemoryProbe(timeline=plan.recompute is not None)
@@ -327,7 +327,7 @@ def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2
     out = {"one_way": ping_pong(ctx, list(ping_sizes), 5), **first, "jobs": []}
     for job in jobs:
         mesh = Mesh(ctx.comm, pp=job.plan.pp, dp=job.plan.dp, cp=job.plan.cp, tp=job.plan.tp, ep=job.plan.ep)
-        with parallelize(GPT(job.cfg, seed=job.tc.seed), mesh, job.plan, train=job.tc) as p:
+        with parallelize(GPT(job.cfg, seed=job.tc.seed), mesh, job.plan, train_config=job.tc) as p:
             ctx.comm.ledger.reset()
             run = p.train(steps)
         sent = ctx.comm.ledger.by("group")

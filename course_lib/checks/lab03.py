@@ -25,7 +25,8 @@ from ..core.data import ShardedBatches
 from ..core.model import GPT, get_config
 from ..parallel import dp as D
 from ..distributed.mesh import data_parallel_batches
-from ..train import GradProbe, Probe, TrainConfig, make_optimizer, run, train_reference
+from .. import optim
+from ..train import GradProbe, Probe, TrainConfig, optimizer_kwargs, run, train_reference
 from . import NOT_IMPLEMENTED, check, run_ranks
 
 TIMEOUT = 120               # seconds per launch: a correct run takes a few; a hang is a bug
@@ -143,7 +144,7 @@ class _SyncProbe(Probe):
 def _accumulation_worker(ctx, accumulation_step, cfg, tc, accum_steps, bucket_cap_bytes):
     model = GPT(cfg, seed=tc.seed).to(DTYPE)
     ddp = _CountingOverlap(model, ctx.comm, bucket_cap_bytes=bucket_cap_bytes)   # hooks talk during backward
-    optimizer = make_optimizer(model.parameters(), tc)
+    optimizer = optim.build(model, **optimizer_kwargs(tc))
     batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, accum_steps=accum_steps, seed=tc.data_seed)
     probes = [_SyncProbe(ddp), _GradTraffic(ctx.comm), GradProbe(at_step=0)]
     out = {"n_buckets": len(ddp.buckets), "expect": (ddp.expected_bytes_sent(), ddp.expected_messages()),
@@ -272,7 +273,7 @@ def _weighted_worker(ctx, cls, cfg, tc, sizes, bucket_cap_bytes):
         model = GPT(cfg, seed=tc.seed).to(DTYPE)
         try:
             ddp = make(model, ctx.comm, bucket_cap_bytes=bucket_cap_bytes)
-            r = run(ddp, make_optimizer(model.parameters(), tc), batches, steps=tc.steps,
+            r = run(ddp, optim.build(model, **optimizer_kwargs(tc)), batches, steps=tc.steps,
                     probes=[_GradTraffic(ctx.comm), GradProbe(at_step=0)], keep_params=True)
         except NotImplementedError:
             return NOT_IMPLEMENTED

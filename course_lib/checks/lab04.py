@@ -26,7 +26,8 @@ from ..distributed.launch import LaunchError, launch
 from ..memory import untracked
 from ..core.model import GPT, get_config
 from ..distributed.mesh import data_parallel_batches
-from ..train import MemoryProbe, Probe, TrainConfig, make_optimizer, run
+from .. import optim
+from ..train import MemoryProbe, Probe, TrainConfig, optimizer_kwargs, run
 from ..core.data import ShardedBatches
 from . import check
 
@@ -186,7 +187,7 @@ class _RefProbe(Probe):
 
 def _reference(tc: TrainConfig):
     model = GPT(CFG, seed=tc.seed).to(torch.float64)
-    r = run(model, make_optimizer(model.parameters(), tc), ShardedBatches(CFG.seq_len, tc.batch_size,
+    r = run(model, optim.build(model, **optimizer_kwargs(tc)), ShardedBatches(CFG.seq_len, tc.batch_size,
                                                                          seed=tc.data_seed),
             steps=tc.steps, probes=[_RefProbe()])
     init = {n: p.detach().clone() for n, p in GPT(CFG, seed=tc.seed).to(torch.float64).named_parameters()}

@@ -29,7 +29,8 @@ from ..memopt.recompute.costs import BlockCost, ChainCosts, formula_costs, plan_
 from ..memopt.recompute.measured import FlopProbe, activation_peak
 from ..memory import MemoryTracker
 from ..core.model import GPT, block_activation_bytes, get_config
-from ..train import GradProbe, MemoryProbe, TrainConfig, make_optimizer, run
+from .. import optim
+from ..train import GradProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
 from . import check
 
 CFG = get_config("micro", n_layer=6, seq_len=64, dropout=0.1)
@@ -102,7 +103,7 @@ def _train_step(cfg, plan, selective_policy=None):
         kwargs = {} if selective_policy is None else {"selective_policy": selective_policy}
         apply_recompute(model, policy=plan, **kwargs)
     torch.manual_seed(0)
-    r = run(model, make_optimizer(model.parameters(), TrainConfig()), ShardedBatches(cfg.seq_len, B, seed=0),
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, B, seed=0),
             steps=1, probes=[MemoryProbe(), FlopProbe(), GradProbe()])
     flops = r["flops"][0]
     return activation_peak(r["memory"]["report"]), flops["backward"] - 2 * flops["forward"], r["grads"]

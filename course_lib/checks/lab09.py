@@ -23,6 +23,7 @@ from ..core.data import ShardedBatches
 from ..memopt import precision as P
 from ..memopt import quantize as Q
 from ..core.model import GPT, get_config
+from .. import optim
 from ..train import TrainConfig, optimizer_kwargs, run
 from . import check
 
@@ -93,7 +94,7 @@ def check_scaler_trajectory(LossScaler) -> None:
 def _train_fp16(scaler, steps: int):
     cfg, tc = get_config("nano"), TrainConfig(steps=steps, batch_size=4)
     mp = P.apply_precision(GPT(cfg), recipe="fp16", scaler=scaler)
-    opt = mp.make_optimizer(**optimizer_kwargs(tc))
+    opt = optim.build(mp, **optimizer_kwargs(tc))
     r = run(mp, opt, ShardedBatches(cfg.seq_len, 4), steps=steps, step_fn=mp.step_fn())
     return r.losses, opt.skipped
 

@@ -8,8 +8,9 @@ before the compute it must hide under:
     check_plan(plan_fn)   plan_fn(S) for an uneven GPT cut into S = 5 stages, run under a device budget of
                           §14.1's state peak + the planning bound on activations: the device never exceeds it,
                           h2d and d2h bytes equal the formula, the gradients are bitwise the reference's, and the
-                          modeled step (stated costs) is as fast as one-ahead prefetch allows; each plausible wrong
-                          plan is named by its cause
+                          modeled step (stated costs) is as fast as one-ahead prefetch allows, and nothing is
+                          left on the device after the last backward; each plausible wrong plan is named by its
+                          cause (a stage dropped before its compute, or not reloaded, is named as such)
 """
 from __future__ import annotations
 
@@ -54,6 +55,62 @@ def _residency_fault(plan, S):
     return None
 
 
+def _missing_cause(plan, S):
+    """(message, hint) naming why the first compute whose stage is not on the device finds it missing, or None
+    (every compute finds its stage, or no plausible slip explains it)."""
+    loaded = set()
+    for k, (kind, s) in enumerate(plan):
+        if kind == "load":
+            loaded.add(s)
+        elif kind == "drop":
+            loaded.discard(s)
+        elif s not in loaded:
+            break
+    else:
+        return None
+    ops = f"{kind} {s}"
+    last_load = max((i for i, op in enumerate(plan[:k]) if op == ("load", s)), default=None)
+    if last_load is not None:
+        drop = next(i for i, op in enumerate(plan[last_load:k], last_load) if op == ("drop", s))
+        if not any(op == ("fwd", s) for op in plan[last_load:drop]):
+            return (f"the plan drops stage {s} (operation {drop}) after loading it (operation {last_load}) and "
+                    f"before {ops} runs: the compute finds it gone",
+                    "drop a stage after its compute, never between its load and its compute")
+        if s == S - 1:
+            return (f"the plan drops the last stage after fwd {s} and does not load it again for {ops}",
+                    "the last stage's backward follows its forward: keep it on the device in between (no drop, "
+                    "no reload)")
+        return (f"the plan drops stage {s} after fwd {s} and does not load it again for {ops}",
+                f"load stage {s} again just before bwd {s + 1} computes (one ahead)")
+    # never loaded for this compute: was another stage loaded more than one compute ahead instead?
+    order = [("fwd", x) for x in range(S)] + [("bwd", x) for x in reversed(range(S))]
+    done = 0                                             # computes run before plan[i]
+    for op in plan[:k]:
+        if op[0] in ("fwd", "bwd"):
+            done += 1
+        elif op[0] == "load":
+            use = next((j for j in range(done, len(order)) if order[j][1] == op[1]), done)
+            if use - done > 1:
+                return (f"the plan never loads stage {s} before {ops}; it loads stage {op[1]} before "
+                        f"{' '.join(map(str, order[done]))}, {use - done} computes ahead",
+                        "prefetch one ahead: just before a compute, load the stage of the compute after it")
+    if (kind, s) == ("fwd", 0):
+        return ("the plan never loads stage 0: fwd 0 finds nothing on the device",
+                "start the plan with ('load', 0): every compute needs its stage loaded first, stage 0 included")
+    return None
+
+
+def _left_on_device(plan):
+    """The stages the plan leaves loaded after its last operation."""
+    loaded = set()
+    for kind, s in plan:
+        if kind == "load":
+            loaded.add(s)
+        elif kind == "drop":
+            loaded.discard(s)
+    return sorted(loaded)
+
+
 def check_plan(plan_fn) -> None:
     """Run `plan_fn(S)` (S = 5 stages of the uneven GPT) on the simulated accelerator; see the module docstring."""
     with check("plan") as c:
@@ -83,12 +140,21 @@ def check_plan(plan_fn) -> None:
                             + (f" (stage {fault[1]} arrives before {' '.join(map(str, fault[2]))})" if fault else ""),
                      hint="prefetch one stage ahead only: load stage s + 1 just before stage s computes")
         except RuntimeError as e:
+            missing = "not on the device" in str(e)
+            cause = _missing_cause(plan, S) if missing else None
+            if cause:
+                c.expect(False, cause[0], hint=cause[1])
             hint = ("every compute needs its stage loaded first, including stage 0 and the backward's stages"
-                    if "not on the device" in str(e) else
+                    if missing else
                     "forwards run 0 … S−1, then backwards S−1 … 0 (each backward needs the gradient of the stage "
                     "after it)")
             c.expect(False, str(e), hint=hint)
         ex.restore()
+        left = _left_on_device(plan)
+        c.expect(not left, f"stage{'s' if len(left) > 1 else ''} {', '.join(map(str, left))} still on the device "
+                           f"when the step ends (the executor frees {'them' if len(left) > 1 else 'it'} for you)",
+                 hint="drop each stage after its backward too: the device holds only the stage in use and the one "
+                      "arriving, and nothing is in use after bwd 0")
         want = MB.mobius_bytes(P, M, BOUNDARY)
         h2d, d2h = ex.log.bytes_recv(op="h2d"), ex.log.bytes_sent(op="d2h")
         c.expect(h2d <= want["h2d"],

@@ -37,11 +37,12 @@ def stream_worker(ctx, access, bucket: str, index: ShardIndex, *, micro_batch_si
     if train_steps:
         from ..core.model import GPT
         from ..parallel.dp import apply_dp
-        from ..train import make_optimizer, run
+        from .. import optim
+        from ..train import optimizer_kwargs, run
         model = apply_dp(GPT(cfg, seed=tc.seed), ctx.comm, kind="bucket")
         with StreamingBatches(source, index, micro_batch_size=micro_batch_size, dp=ctx.comm, seed=seed,
                               shuffle_buffer=shuffle_buffer, prefetch=prefetch, workers=workers) as train_stream:
-            r = run(model, make_optimizer(model.module.parameters(), tc), train_stream, steps=train_steps)
+            r = run(model, optim.build(model.module, **optimizer_kwargs(tc)), train_stream, steps=train_steps)
         out.update(losses=r.losses, tokens_per_s=r.tokens_per_second)
     out["total_bytes"], out["requests"], out["shards_fetched"] = source.stats.bytes, source.stats.requests, \
         source.stats.shards

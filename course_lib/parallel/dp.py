@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn as nn
 
+from ..core.handles import attach
 from ..distributed import collectives
 from ..distributed.collectives import chunk_sizes
 from ..distributed.comm import Communicator
@@ -346,7 +347,9 @@ def apply_dp(model: nn.Module, mesh_or_comm, *, kind: str = "bucket", **options)
         cls = DP_KINDS[kind]
     except KeyError:
         raise ValueError(f"unknown data-parallel kind {kind!r}; use one of {sorted(DP_KINDS)}") from None
-    return cls(model, axis_comm(mesh_or_comm, "dp"), **options)
+    wrapped = cls(model, axis_comm(mesh_or_comm, "dp"), **options)
+    attach(wrapped, "data_parallel", wrapped)
+    return wrapped
 
 
 __all__ = ["apply_dp", "DP_KINDS", "DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",

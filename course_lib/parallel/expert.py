@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..core.handles import attach
 from ..distributed import collectives
 from ..distributed.all_to_all import AllToAll, all_to_all, exchange_sizes
 from ..distributed.mesh import Mesh, axis_comm
@@ -98,6 +99,7 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
                 ExpertParallelMoE(moe, comm, tag=f"{name}:ep"))
+    attach(model, "expert_parallel", model)
     return model
 
 

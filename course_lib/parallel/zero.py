@@ -43,10 +43,12 @@ import torch.nn as nn
 from ..distributed.collectives import (all_gather_ring, reduce_scatter_ring, ring_all_gather_bytes,
                                 ring_reduce_scatter_bytes)
 from ..distributed.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
-from ..distributed.mesh import axis_comm
+from ..distributed.mesh import Mesh, axis_comm
 from ..memory import alloc_category
 from ..optim.master import kept_master, set_master
-from .dp import DataParallelBucket
+from ..core.handles import attach
+from .dp import DataParallelBucket, apply_dp
+from .expert import ExpertDataParallel, is_expert_param
 from .fsdp import apply_fsdp
 from .pipeline.stage import PipelineStage
 
@@ -260,26 +262,78 @@ class ShardedOptimizer:
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
-def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, optimizer_cls=torch.optim.AdamW,
-               bucket_cap_bytes: int | None = DEFAULT_BUCKET_CAP_BYTES, fsdp_options: dict | None = None,
-               **optimizer_kwargs):
-    """(model, optimizer) for ZeRO stage 0 (= DDP, bucketed), 1, 2 or 3 (= FSDP) over the dp axis — the one place
-    the course builds a ZeRO stage. Train with `course_lib.train.run(model, optimizer, batches, ...)`."""
+def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, kind: str = "bucket",
+               bucket_cap_bytes: int | None = DEFAULT_BUCKET_CAP_BYTES, fsdp_options: dict | None = None) -> nn.Module:
+    """ZeRO stage 0 (= DDP), 1, 2 or 3 (= FSDP) over the data-parallel ranks — the one place the course builds a
+    ZeRO stage. Returns the model to train: a DDP (`kind`) or FSDP wrapper for stages 0 and 3; for stages 1 and 2
+    the model itself, its optimizer to be sharded when `course_lib.optim.build(model, …)` builds it. A model with
+    experts is reduced by `ExpertDataParallel` (replicated parameters over dp, experts over edp). Either way
+    `handle_of(model, "data_parallel")` is what reduces the gradients: hand it to `forward_backward(sync=…)` or a
+    pipeline's `data_parallel`.
+
+    The data-parallel ranks are the mesh's dp × cp group (context-parallel ranks hold partial gradients of the same
+    weights), or the Communicator given. Single rank (no mesh, one dp rank, stage 0): the model as it is."""
     if stage not in STAGE_NAMES:
         raise ValueError(f"ZeRO stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if stage == 3 and isinstance(model, PipelineStage):
         raise ValueError("ZeRO-3 does not compose with a pipeline stage here: it would all-gather the parameters "
                          "in every micro-batch's forward and backward; use zero stage 1 or 2 with pipelines")
-    comm = axis_comm(mesh_or_comm, "dp")
+    comm = _dp_group(mesh_or_comm)
+    if any(is_expert_param(name) for name, _ in model.named_parameters()):
+        if stage:
+            raise ValueError(f"ZeRO-{stage} over a model with experts is not built here: use stage 0 "
+                             f"(ExpertDataParallel reduces the experts over edp)")
+        wrapped = ExpertDataParallel(model, mesh_or_comm)
+        attach(wrapped, "data_parallel", wrapped)
+        return wrapped
     if stage == 0:
-        model = DataParallelBucket(model, comm, bucket_cap_bytes=bucket_cap_bytes or _whole(model))
-    elif stage == 3:
-        model = apply_fsdp(model, comm, **(fsdp_options or {}))
-    else:
-        opt = ShardedOptimizer(model.parameters(), optimizer_cls, comm, stage=stage, bucket_cap_bytes=bucket_cap_bytes,
-                               **optimizer_kwargs)
-        return model, opt
-    return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
+        if comm is None or comm.world_size == 1:
+            return model
+        cap = bucket_cap_bytes or _whole(model)
+        return apply_dp(model, comm, kind=kind, **({"bucket_cap_bytes": cap} if kind != "naive" else {}))
+    if stage == 3:
+        return apply_fsdp(model, comm, **(fsdp_options or {}))
+    attach(model, "data_parallel", ZeroShards(comm, stage, bucket_cap_bytes))
+    return model
+
+
+class ZeroShards:
+    """ZeRO-1/2's handle before and after the optimizer exists: `build_optimizer` makes the `ShardedOptimizer` (the
+    optimizer factory calls it with the class the other techniques chose), and then this reduces the gradients as
+    the optimizer does — `no_sync`, `finish_gradient_synchronization` and the bytes it sends are the optimizer's."""
+
+    def __init__(self, comm, stage: int, bucket_cap_bytes: int | None):
+        self.comm, self.stage, self.bucket_cap_bytes = comm, stage, bucket_cap_bytes
+        self.optimizer: ShardedOptimizer | None = None
+
+    def build_optimizer(self, params, optimizer_cls, **optimizer_kwargs) -> "ShardedOptimizer":
+        self.optimizer = ShardedOptimizer(params, optimizer_cls, self.comm, stage=self.stage,
+                                          bucket_cap_bytes=self.bucket_cap_bytes, **optimizer_kwargs)
+        return self.optimizer
+
+    def _built(self) -> "ShardedOptimizer":
+        if self.optimizer is None:
+            raise RuntimeError("ZeRO-1/2 reduces the gradients in its optimizer: build it first "
+                               "(course_lib.optim.build(model, …))")
+        return self.optimizer
+
+    def no_sync(self):
+        return self._built().no_sync()
+
+    def finish_gradient_synchronization(self) -> None:
+        self._built().finish_gradient_synchronization()
+
+    def expected_bytes_sent(self, rank: int | None = None) -> int:
+        return self._built().expected_bytes_sent(rank)
+
+
+def _dp_group(mesh_or_comm):
+    """The ranks that reduce gradients: a Mesh's dp × cp group, a Communicator as it is, None for no mesh."""
+    if mesh_or_comm is None:
+        return None
+    if isinstance(mesh_or_comm, Mesh):
+        return mesh_or_comm.group("dp", "cp")
+    return axis_comm(mesh_or_comm, "dp")
 
 
 def _whole(model: nn.Module) -> int:

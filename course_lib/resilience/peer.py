@@ -223,11 +223,13 @@ def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: i
     from ..core.model import GPT
     from ..distributed.mesh import data_parallel_batches
     from ..parallel.zero import apply_zero
+    from .. import optim
     from ..train import optimizer_kwargs, run
     from .checkpoint import CheckpointError
     from .failures import KillAt
     up = now()
-    model, opt = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, stage, **optimizer_kwargs(tc))
+    model = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, stage)
+    opt = optim.build(model, **optimizer_kwargs(tc))
     batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, seed=tc.data_seed)
     start, source, nbytes = 0, None, 0
     if attempt > 0:

@@ -53,7 +53,8 @@ from ..memory import now
 from ..core.model import GPT, get_config
 from ..parallel.pipeline.executor import Pipeline, plan_pipeline
 from ..parallel.pipeline.stage import PipelineStage, split_layers
-from ..train import make_optimizer, run
+from .. import optim
+from ..train import optimizer_kwargs, run
 from .membership import Membership, PeerLost, Watched, takeover  # noqa: F401  (re-exported)
 from .peer import load_packed, pack
 from .state import ResumedBatches, training_state
@@ -247,10 +248,10 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
         n, r = membership.size, membership.rank
         plan = plan_pipeline(cfg, n, num_microbatches, schedule, layers=layers)
         stage = PipelineStage(model, [r], plan.bounds, n)
-        opt = make_optimizer(stage.parameters(), tc)
+        opt = optim.build(stage, **optimizer_kwargs(tc))
         opt.state.update({p: state[p] for p in stage.parameters() if p in state})          # mine, or my replica's
         replica = PipelineStage(model, [r + 1], plan.bounds, n) if r + 1 < n else None
-        replica_opt = make_optimizer(replica.parameters(), tc) if replica is not None else None
+        replica_opt = optim.build(replica, **optimizer_kwargs(tc)) if replica is not None else None
         layouts.append({"members": list(membership.members), "layers": list(layers), "start": done})
         replicated.append(replicate(comm, stage, opt, replica, replica_opt, done))
         if event is not None:

@@ -38,7 +38,7 @@ def _worker(ctx, plans, tc):
     for plan in plans:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp)
         ctx.comm.ledger.reset()
-        with parallelize(GPT(CFG, seed=tc.seed), mesh, plan, train=tc) as job:
+        with parallelize(GPT(CFG, seed=tc.seed), mesh, plan, train_config=tc) as job:
             run = job.train(STEPS, probes=[LedgerProbe(ctx.comm, groups=GROUPS), MemoryProbe(timeline=False)])
         out.append({"bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
                     "memory": {k: run["memory"]["after_step"][-1].get(k, 0) for k in STATES},

@@ -189,12 +189,13 @@ def _cp_gpt(ctx, cfg, tc, dp, cp, layout):
     from course_lib.core.model import GPT
     from course_lib.parallel.context import apply_cp
     from course_lib.parallel.dp import apply_dp
-    from course_lib.train import LedgerProbe, make_optimizer, run
+    from course_lib import optim
+    from course_lib.train import LedgerProbe, optimizer_kwargs, run
     mesh = Mesh(ctx.comm, dp=dp, cp=cp)
     model = apply_cp(GPT(cfg, seed=tc.seed).double(), mesh, layout=layout)
     model = apply_dp(model, mesh.group("dp", "cp"))
     ctx.comm.ledger.reset()
-    r = run(model, make_optimizer(model.parameters(), tc), mesh.batches(cfg.seq_len, tc.batch_size // dp,
+    r = run(model, optim.build(model, **optimizer_kwargs(tc)), mesh.batches(cfg.seq_len, tc.batch_size // dp,
                                                                       seed=tc.data_seed),
             steps=tc.steps, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=("cp",))])
     return {"losses": r.losses, "params": r.params, "cp_bytes": [g["cp"] for g in r["ledger"]["group_bytes"]]}
@@ -221,13 +222,14 @@ def _ep_gpt(ctx, cfg, tc, dp, ep):
     from course_lib.distributed.mesh import Mesh
     from course_lib.core.model import GPT
     from course_lib.parallel.expert import ExpertDataParallel, apply_ep, is_expert_param
-    from course_lib.train import make_optimizer, run
+    from course_lib import optim
+    from course_lib.train import optimizer_kwargs, run
     mesh = Mesh(ctx.comm, dp=dp, ep=ep)
     model = GPT(cfg, seed=tc.seed).double()
     if ep > 1:
         apply_ep(model, mesh)
     wrapped = ExpertDataParallel(model, mesh)
-    r = run(wrapped, make_optimizer(model.parameters(), tc), mesh.batches(cfg.seq_len, tc.batch_size // dp,
+    r = run(wrapped, optim.build(model, **optimizer_kwargs(tc)), mesh.batches(cfg.seq_len, tc.batch_size // dp,
                                                                         seed=tc.data_seed),
             steps=tc.steps, keep_params=True)
     experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))

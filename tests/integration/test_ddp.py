@@ -26,7 +26,8 @@ from course_lib.core.model import GPT, get_config
 from course_lib.parallel import dp as D
 from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.composer.parallelize import train_parallel
-from course_lib.train import GradProbe, LedgerProbe, TrainConfig, make_optimizer, run, train_reference
+from course_lib import optim
+from course_lib.train import GradProbe, LedgerProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -283,7 +284,7 @@ def _accumulate(ctx):
         data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, accum_steps=ACCUM, seed=tc.data_seed)
         ctx.comm.ledger.reset()
         with ddp:                               # every DDP kind is a context manager (overlap: its thread)
-            r = run(ddp, make_optimizer(model.parameters(), tc), data, steps=STEPS,
+            r = run(ddp, optim.build(model, **optimizer_kwargs(tc)), data, steps=STEPS,
                     probes=[LedgerProbe(ctx.comm)], keep_params=True)
         out[wrap_name] = {"losses": r.losses, "params": r.params, "phases": r["ledger"]["phase_bytes"],
                           "expect": ddp.expected_bytes_sent()}

@@ -22,7 +22,8 @@ from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.fsdp import FSDP, apply_fsdp, norms_and_biases, shard_rows
-from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, run, train_reference
+from course_lib import optim
+from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +75,7 @@ def _worker(ctx, tc):
         f = (FSDP(model, ctx.comm, units=model.blocks, **options) if rule != "names"
              else apply_fsdp(model, ctx.comm, **options))                # the composer's entry point
         ctx.comm.ledger.reset()
-        r = run(f, make_optimizer(f.parameters(), tc), data, steps=tc.steps, probes=[MemoryProbe(timeline=False)])
+        r = run(f, optim.build(f, **optimizer_kwargs(tc)), data, steps=tc.steps, probes=[MemoryProbe(timeline=False)])
         sent = {k: v["sent"] for k, v in ctx.comm.ledger.by("tag").items()}     # the training steps' traffic only
         losses = ctx.comm.all_reduce(torch.tensor(r.losses, dtype=torch.float64), "avg", tag="loss").tolist()
         replicated = {n: p.detach().clone() for n, p in model.named_parameters() if _chosen(rule, n, FULL[n])}

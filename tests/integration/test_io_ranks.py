@@ -12,7 +12,8 @@ from course_lib.io import store as S
 from course_lib.io import stream as R
 from course_lib.io.workers import cache_worker, stream_worker
 from course_lib.core.model import GPT, get_config
-from course_lib.train import TrainConfig, make_optimizer, run
+from course_lib import optim
+from course_lib.train import TrainConfig, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration
 BUCKET = "rank-data"
@@ -41,7 +42,7 @@ def test_streaming_ranks_equal_the_single_process_reader_and_train_like_it(env, 
         gx, _ = single.get(step)
         assert torch.equal(torch.cat([r["batches"][step][0] for r in out]), gx)
     model = GPT(cfg, seed=0)
-    ref = run(model, make_optimizer(model.parameters(), tc), single, steps=3)
+    ref = run(model, optim.build(model, **optimizer_kwargs(tc)), single, steps=3)
     for s in range(3):
         assert abs(sum(r["losses"][s] for r in out) / world_size - ref.losses[s]) < 1e-5
 

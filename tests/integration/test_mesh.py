@@ -9,7 +9,8 @@ from course_lib.distributed.mesh import AXES, Mesh
 from course_lib.core.model import GPT, get_config
 from course_lib.parallel.dp import apply_dp
 from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.train import LedgerProbe, TrainConfig, make_optimizer, run, train_reference
+from course_lib import optim
+from course_lib.train import LedgerProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,7 @@ def _gpt_on_mesh(ctx, cfg, tc):
     model = apply_dp(GPT(cfg, seed=tc.seed), mesh, kind="bucket", bucket_cap_bytes=16 * 1024)
     batches = data_parallel_batches(mesh, cfg.seq_len, tc.batch_size, seed=tc.data_seed)
     ctx.comm.ledger.reset()
-    out = run(model, make_optimizer(model.parameters(), tc), batches, steps=tc.steps,
+    out = run(model, optim.build(model, **optimizer_kwargs(tc)), batches, steps=tc.steps,
               probes=[LedgerProbe(ctx.comm, groups=AXES)], keep_params=True)
     tp_buf = torch.full((1000,), float(mesh.tp_rank + 1))
     C.all_reduce_ring(mesh["tp"], tp_buf, tag="tp_demo")

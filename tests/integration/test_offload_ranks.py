@@ -11,16 +11,18 @@ import os
 import pytest
 import torch
 
+from course_lib.core.handles import handle_of
 from course_lib.core.data import ShardedBatches
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.memopt.offload import (OffloadAdam, activation_offload_of, apply_activation_offload, apply_offload,
+from course_lib.memopt.offload import (OffloadAdam, apply_activation_offload, apply_offload,
                                        offload_log)
 from course_lib.core.model import (GPT, GPTConfig, block_activation_bytes, embed_activation_bytes, get_config,
                               head_activation_bytes)
 from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.parallel.pipeline.executor import apply_pipeline
-from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
+from course_lib import optim
+from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration
 
@@ -33,10 +35,10 @@ def _worker(ctx, tier, dtype, offload_dir=None):
     torch.set_num_threads(1)
     tc = TrainConfig(steps=STEPS, batch_size=6 * ctx.world_size, eps=1e-6)
     mesh = Mesh(ctx.comm, dp=ctx.world_size)
-    model, opt = apply_offload(GPT(ODD, seed=tc.seed), mesh, activations=False, optimizer=tier, dtype=dtype,
-                               master_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                               bucket_cap_bytes=CAP, offload_dir=offload_dir, chunk_bytes=16 << 10,
-                               **optimizer_kwargs(tc))
+    model = apply_offload(GPT(ODD, seed=tc.seed), mesh, activations=False, optimizer=tier, dtype=dtype,
+                          master_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                          bucket_cap_bytes=CAP, offload_dir=offload_dir, chunk_bytes=16 << 10)
+    opt = optim.build(model, **optimizer_kwargs(tc))
     batches = data_parallel_batches(mesh, ODD.seq_len, tc.batch_size)
     ctx.comm.ledger.reset()
     try:
@@ -111,13 +113,13 @@ def _pipeline_worker(ctx, schedule):
     for name in ("plain", "offload"):
         mesh = Mesh(ctx.comm, pp=ctx.world_size)
         stage = apply_pipeline(GPT(PIPE, seed=tc.seed), mesh, num_microbatches=M, schedule=schedule)
-        pipe = stage.pipeline
+        pipe = handle_of(stage, "pipeline")
         if name == "offload":
             assert apply_activation_offload(stage, mesh) is stage
         batches = mesh.batches(PIPE.seq_len, B, accum_steps=M, seed=tc.data_seed)
-        r = run(stage, make_optimizer(stage.parameters(), tc), batches, steps=tc.steps, step_fn=pipe,
+        r = run(stage, optim.build(stage, **optimizer_kwargs(tc)), batches, steps=tc.steps, step_fn=pipe,
                 probes=[MemoryProbe(timeline=False)])
-        off = activation_offload_of(stage)
+        off = handle_of(stage, "activation_offload")
         out[name] = {"losses": [x for x in r.losses if x == x],
                      "params": {k: v.detach().clone() for k, v in stage.named_parameters()},
                      "acts": r["memory"]["report"].max_by_category["activations"],
@@ -158,7 +160,7 @@ def _parallelized_disk_worker(ctx, root):
     tempfile.tempdir = root            # the SSD tier's default directory, so the test can look inside it
     tc = TrainConfig(steps=1, batch_size=2 * ctx.world_size)
     plan = ParallelPlan(dp=ctx.world_size, zero=1, offload_optimizer="disk", precision="bf16")
-    with parallelize(GPT(ODD, seed=tc.seed), Mesh(ctx.comm), plan, train=tc) as job:
+    with parallelize(GPT(ODD, seed=tc.seed), Mesh(ctx.comm), plan, train_config=tc) as job:
         job.train(1)
         during = sorted(os.listdir(root))       # the tier writes its files at the first step
     return during

@@ -68,7 +68,7 @@ def _worker(ctx, batch, plans, reference):
     for plan in plans:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
         ctx.comm.ledger.reset()
-        with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train=tc) as job:
+        with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train_config=tc) as job:
             run = job.train(STEPS, keep_params=True, probes=[LedgerProbe(ctx.comm, groups=GROUPS)])
             err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
             names = sorted(run.params)
@@ -124,7 +124,7 @@ def _bf16(ctx, plans, batch):
     out = []
     for plan in plans:
         mesh = Mesh(ctx.comm, pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep)
-        with parallelize(GPT(CFG, seed=tc.seed), mesh, plan, train=tc) as job:
+        with parallelize(GPT(CFG, seed=tc.seed), mesh, plan, train_config=tc) as job:
             run = job.train(STEPS)
             dtypes = {p.dtype for _, p in job.named_parameters()}
             out.append({"losses": run.losses, "dtypes": dtypes})

@@ -58,7 +58,7 @@ def _train(mesh, tc, *, dtype=None, probes=(), keep_params=False, **plan):
     model = GPT(CFG, seed=tc.seed)
     model = model.to(dtype) if dtype is not None else model
     plan = ParallelPlan(pp=mesh.size("pp"), dp=mesh.size("dp"), **plan)
-    with parallelize(model, mesh, plan, train=tc) as job:
+    with parallelize(model, mesh, plan, train_config=tc) as job:
         r = job.train(tc.steps, probes=probes, keep_params=keep_params)
     return r, job.pipeline.stage, job.pipeline
 

@@ -48,7 +48,7 @@ def _torch_side(ctx):
     for name in NAMES:
         theirs = torch_pipeline_run(ctx, CFG, tc, name, S, chunks=_chunks(name, S))
         plan = ParallelPlan(pp=S, schedule=name, microbatches=S, chunks=_chunks(name, S))
-        with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train=tc) as job:
+        with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train_config=tc) as job:
             ours = job.train(tc.steps, probes=[GradProbe()])
         runs[name] = {"torch": theirs["grads0"], "ours": ours["grads"], "torch_loss": theirs["losses"],
                       "our_loss": ours.losses}

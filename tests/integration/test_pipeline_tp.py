@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from course_lib.core.handles import handle_of
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.core.model import GPT, get_config
@@ -29,7 +30,8 @@ from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.pipeline import PipelineStage, apply_pipeline, boundary_bytes, split_layers
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_step
 from course_lib.parallel.zero import apply_zero
-from course_lib.train import (LedgerProbe, closing, TrainConfig, forward_backward, make_optimizer, optimizer_kwargs, run,
+from course_lib import optim
+from course_lib.train import (LedgerProbe, TrainConfig, closing, forward_backward, optimizer_kwargs, run,
                               train_reference)
 
 pytestmark = pytest.mark.integration
@@ -83,12 +85,12 @@ def _build(mesh, tc, schedule, chunks, M, sp, zero, order):
     pipe = None
     if schedule is not None:
         model = apply_pipeline(model, mesh, num_microbatches=M, schedule=schedule, chunks=chunks)
-        pipe = model.pipeline
+        pipe = handle_of(model, "pipeline")
         if order == "pp_tp" and tp:
             assert apply_tp(model, mesh, sequence_parallel=sp) is model      # in place: the same kind of model
     if zero == 0:
         wrapped = reducer = apply_dp(model, mesh)
-        optimizer = make_optimizer(model.parameters(), tc)
+        optimizer = optim.build(model, **optimizer_kwargs(tc))
     else:
         wrapped, optimizer = apply_zero(model, mesh, zero, **optimizer_kwargs(tc))
         reducer = optimizer                             # ZeRO-1/2 reduce in the optimizer, once per step

@@ -12,6 +12,7 @@ one step, with the vote over the mesh, and ZeRO-1 once more (the control) with n
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -37,7 +38,7 @@ def _grid_skip(ctx):
     """dp × tp = 2 × 2: each rank holds its own parameters; only the rank at (dp 1, tp 1) overflows."""
     mesh = Mesh(ctx.comm, dp=2, tp=2)
     model = P.apply_precision(torch.nn.Linear(4, 4), mesh, recipe="fp16", scaler=P.DynamicLossScaler(init_scale=2.0 ** 8))
-    opt = model.make_optimizer(lr=0.1)
+    opt = optim.build(model, lr=0.1)
     before = [m.clone() for m in opt.masters]
     for q in model.parameters():
         q.grad = torch.ones_like(q)
@@ -61,7 +62,8 @@ def _zero(ctx, vote: bool, stage: int = 1):
             g.view(-1)[0] = math.inf
         return g
     model.blocks[0].attn.wq.weight.register_hook(poison)
-    inner = optim.optimizer_class(model.recipe, scaler=model.scaler, vote=mesh if vote else None)
+    inner = functools.partial(optim.MixedPrecisionOptimizer, optimizer_cls=optim.AdamW, scaler=model.scaler,
+                              vote=mesh if vote else None)
     opt = ShardedOptimizer(model.parameters(), inner, mesh["dp"], stage=stage, bucket_cap_bytes=None,
                            tag=f"zero{stage} vote={vote}", **optimizer_kwargs(TrainConfig()))
     r = run(model, opt, mesh.batches(CFG.seq_len, 2), steps=STEPS, step_fn=model.step_fn())

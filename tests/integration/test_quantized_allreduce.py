@@ -22,6 +22,7 @@ from course_lib.memopt import quantize as Q
 from course_lib.core.model import get_config
 from course_lib.parallel import dp as D
 from course_lib.composer.parallelize import train_parallel
+from course_lib import optim
 from course_lib.train import TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -144,7 +145,7 @@ def _mesh_skip(ctx):
     mesh = Mesh(ctx.comm, tp=2)
     model = torch.nn.Linear(4, 4)
     mp = P.apply_precision(model, mesh, recipe="fp16", scaler=P.DynamicLossScaler(init_scale=2.0 ** 8))
-    opt = mp.make_optimizer(lr=0.1)
+    opt = optim.build(mp, lr=0.1)
     before = [m.clone() for m in opt.masters]
     for q in mp.parameters():
         q.grad = torch.ones_like(q)

@@ -32,7 +32,7 @@ def _wrap(kind, policy, tc, model, comm):
     if kind == "ddp":
         return apply_dp(model, comm, kind="bucket")
     if kind == "zero2":
-        return apply_zero(model, comm, 2, **optimizer_kwargs(tc))
+        return apply_zero(model, comm, 2)
     return apply_fsdp(model, comm)
 
 

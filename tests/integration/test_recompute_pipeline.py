@@ -69,7 +69,7 @@ def _step(ctx, cfg, M, policy, schedule="1f1b", dtype=None, probes=()):
     plan = ParallelPlan(pp=ctx.world_size, microbatches=M, schedule=schedule,
                         recompute=_plan(policy, blocks[1] - blocks[0]))
     with parallelize(model.to(dtype) if dtype is not None else model, Mesh(ctx.comm, pp=ctx.world_size), plan,
-                     train=tc) as job:
+                     train_config=tc) as job:
         return job.train(tc.steps, probes=probes)
 
 

@@ -21,7 +21,8 @@ from course_lib.memopt.recompute.tensor_parallel import rerun_tp_bytes
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_microbatch
-from course_lib.train import GradProbe, make_optimizer, run
+from course_lib import optim
+from course_lib.train import GradProbe, TrainConfig, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,7 @@ def _step(ctx, mesh, policy, kw, ref_grads):
     model = apply_dp(tp, mesh) if mesh.sizes["dp"] > 1 else tp
     batches = data_parallel_batches(mesh, CFG.seq_len, GLOBAL_B)
     ctx.comm.ledger.reset()
-    r = run(model, make_optimizer(model.parameters()), batches, steps=1, probes=[GradProbe()])
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), batches, steps=1, probes=[GradProbe()])
     grads = {k.removeprefix("module."): v.detach() for k, v in r["grads"].items()}      # DDP's names: module.…
     return {"loss": r.losses[0], "grads": grads, "tp": ctx.comm.ledger.bytes_sent(group="tp"),
             "dp": ctx.comm.ledger.bytes_sent(group="dp"), "coords": dict(mesh.coords),
@@ -64,7 +65,7 @@ def _all(ctx, meshes, ref_grads):
 @functools.lru_cache(maxsize=None)
 def _reference():
     model = GPT(CFG).double()
-    r = run(model, make_optimizer(model.parameters()), ShardedBatches(CFG.seq_len, GLOBAL_B), steps=1,
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, GLOBAL_B), steps=1,
             probes=[GradProbe()])
     return r.losses[0], {k: v.detach() for k, v in r["grads"].items()}
 

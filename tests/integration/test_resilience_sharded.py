@@ -20,7 +20,8 @@ from course_lib.core.model import GPT
 from course_lib.parallel.zero import apply_zero
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.references import CONFIG, TRAIN, dcp_worker, reload_worker, resumable_worker
-from course_lib.train import make_optimizer, optimizer_kwargs, run
+from course_lib import optim
+from course_lib.train import optimizer_kwargs, run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -90,7 +91,7 @@ def test_a_ddp_checkpoint_holds_one_copy_written_by_rank_0(tmp_path):
     index = [json.loads((path / f"rank_{r:05d}.json").read_text())["tensors"] for r in range(3)]
     assert len(index[0]) == 4 * len(list(GPT(CONFIG).parameters())) and index[1] == index[2] == {}
     model = GPT(CONFIG, seed=TRAIN.seed)
-    opt = make_optimizer(model.parameters(), TRAIN)
+    opt = optim.build(model, **optimizer_kwargs(TRAIN))
     run(model, opt, data_parallel_batches_single(), steps=2)
     full = C.consolidate(path)
     assert all((full[f"model/{n}"] - p).abs().max() < 1e-5 for n, p in model.named_parameters())   # fp32 reordering
@@ -106,7 +107,8 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_prev
     before = {p.name: p.read_bytes() for p in (tmp_path / "step_00000003").iterdir()}
 
     def save_with_rank_2_full(ctx, root):
-        model, opt = apply_zero(GPT(CONFIG, seed=TRAIN.seed), ctx.comm, 3, **optimizer_kwargs(TRAIN))
+        model = apply_zero(GPT(CONFIG, seed=TRAIN.seed), ctx.comm, 3)
+        opt = optim.build(model, **optimizer_kwargs(TRAIN))
         r = C.load(root, model, opt)
         try:
             with (C.disk_full(1000) if ctx.rank == 2 else warnings.catch_warnings()):

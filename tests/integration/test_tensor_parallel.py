@@ -17,7 +17,8 @@ from course_lib.parallel.zero import apply_zero
 from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.parallel.tensor import (CollectiveLog, LayerActivationProbe, layer_activation_bytes, layer_traffic,
                                         layer_bytes, sp_layer_bytes, torch_parallelize_blocks, tp_bytes_per_microbatch)
-from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run,
+from course_lib import optim
+from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run,
                               train_reference)
 
 pytestmark = pytest.mark.integration
@@ -30,7 +31,7 @@ VARIANTS = {"1D": {}, "naive": {"plan": "naive"}, "SP": {"sequence_parallel": Tr
 
 def _reference(cfg, accum_steps=1):
     model = GPT(cfg).double()
-    r = run(model, make_optimizer(model.parameters()), ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
             steps=1, probes=[GradProbe()])
     return r.losses[0], r["grads"]
 
@@ -43,7 +44,7 @@ def _variants(ctx, cfg, ref_grads, accum_steps, names=tuple(VARIANTS)):
         ctx.comm.ledger.reset()
         mem = MemoryProbe(timeline=False)
         with CollectiveLog() as log:
-            r = run(tp, make_optimizer(tp.parameters()), ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
+            r = run(tp, optim.build(tp, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
                     steps=1, probes=[GradProbe(), mem, LayerActivationProbe(mem)])
         out[name] = {"loss": r.losses[0], "sent": ctx.comm.ledger.bytes_sent(), "act": r["layer_activations"],
                      "layers": [layer_traffic(ctx.comm.ledger, i) for i in range(cfg.n_layer)],
@@ -120,13 +121,13 @@ def _versus_dtensor(ctx, ref_grads):
     for prepare in (False, True):
         model = torch_parallelize_blocks(GPT(CFG).double(), mesh, prepare_input=prepare)
         with CommDebugMode() as comms:
-            r = run(model, make_optimizer(model.parameters()), ShardedBatches(CFG.seq_len, B), steps=1,
+            r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, B), steps=1,
                     probes=[GradProbe()])
         grads = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in r["grads"].items()}
         out[prepare] = {"counts": {str(k): n for k, n in comms.get_comm_counts().items()},
                         "dgrad": max((grads[k] - g).abs().max().item() for k, g in ref_grads.items())}
         ours = apply_tp(GPT(CFG).double(), ctx.comm, plan="megatron" if prepare else "naive")
-        r2 = run(ours, make_optimizer(ours.parameters()), ShardedBatches(CFG.seq_len, B), steps=1,
+        r2 = run(ours, optim.build(ours, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, B), steps=1,
                  probes=[GradProbe()])
         out[prepare]["vs ours"] = max((r2["grads"][k] - ours.local_shard(k, g)).abs().max().item()
                                       for k, g in grads.items())
@@ -149,7 +150,8 @@ def _dp_tp(ctx, tc, ref_params):
     out = {"coords": mesh.coords}
     for stage in (0, 1, 3):
         tp = apply_tp(GPT(CFG, seed=tc.seed).double(), mesh)
-        model, opt = apply_zero(tp, mesh, stage, **optimizer_kwargs(tc))
+        model = apply_zero(tp, mesh, stage)
+        opt = optim.build(model, **optimizer_kwargs(tc))
         ctx.comm.ledger.reset()
         r = run(model, opt, batches, steps=tc.steps, probes=[LedgerProbe(ctx.comm, groups=("dp", "tp"))],
                 keep_params=stage != 3)
@@ -165,7 +167,7 @@ def _dp_tp(ctx, tc, ref_params):
     for block in ref_model.blocks:
         fully_shard(block, mesh=dm["dp"])
     fully_shard(ref_model, mesh=dm["dp"])
-    r = run(ref_model, make_optimizer(ref_model.parameters(), tc), batches, steps=tc.steps)
+    r = run(ref_model, optim.build(ref_model, **optimizer_kwargs(tc)), batches, steps=tc.steps)
     out["torch"] = {"losses": r.losses}
     return out
 

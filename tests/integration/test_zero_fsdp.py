@@ -21,8 +21,8 @@ from course_lib.parallel.zero import apply_zero
 from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.parallel.fsdp import FSDP
 from course_lib.parallel.zero import ShardedOptimizer
-from course_lib.train import MemoryProbe, LedgerProbe, TrainConfig, make_optimizer, optimizer_kwargs, run, \
-    train_reference
+from course_lib import optim
+from course_lib.train import LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ CAP = 64_000                   # bytes per ZeRO bucket: several buckets for the 
 
 
 def _adamw(params, tc):
-    return make_optimizer(params, tc)
+    return optim.AdamW(params, **optimizer_kwargs(tc))
 
 
 def _sharded(params, comm, stage, tc, **kw):
@@ -76,16 +76,16 @@ def _gpt_worker(ctx, cfg, tc):
     data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size)
     out = {}
     for stage in (0, 1, 2):                                 # stage 0 = DDP: all-reduce of buckets, full optimizer
-        model, opt = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, stage, bucket_cap_bytes=CAP,
-                                **optimizer_kwargs(tc))
+        model = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, stage, bucket_cap_bytes=CAP)
+        opt = optim.build(model, **optimizer_kwargs(tc))
         out[f"zero{stage}"] = _train(ctx, model, opt, data, STEPS)
         inner = model.module if stage == 0 else model
         out[f"zero{stage}"].update(P=opt.padded_numel if stage else sum(model.bucket_numels()),
                                    K=opt.num_shards if stage else len(list(inner.parameters())),
                                    state=inner.state_dict())
     for prefetch in (True, False):
-        f, opt = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, 3, fsdp_options={"prefetch": prefetch},
-                            **optimizer_kwargs(tc))
+        f = apply_zero(GPT(cfg, seed=tc.seed), ctx.comm, 3, fsdp_options={"prefetch": prefetch})
+        opt = optim.build(f, **optimizer_kwargs(tc))
         r = _train(ctx, f, opt, data, STEPS)
         r.update(P=f.padded_numel, Psi_r=f.local_numel, n=len(list(f.parameters())), state=f.full_state_dict(),
                  units=[sum(g.full_layout.numel for g in u.groups) for u in f.units])

@@ -53,6 +53,13 @@ def _fails(fn, *hints):
     return message
 
 
+def _fails_with(fn, line: str, *hints):
+    """`fn` fails with exactly `line` as its ✘ line (the cause) and a hint containing each of `hints`."""
+    message = _fails(fn, *hints)
+    assert message.splitlines()[0] == line, f"expected the line\n{line}\ngot\n{message}"
+    return message
+
+
 # ------------------------------------------------------------------------------------------------- lab 03
 LAB03 = _definitions("lab03_ddp.ipynb", ("accumulation_step", "DataParallelTokenWeighted"))
 

@@ -10,7 +10,8 @@ from course_lib.memory import (CATEGORIES, MemoryTracker, SimulatedAccelerator, 
                                saved_tensors_hooks_over)
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config
-from course_lib.train import TrainConfig, make_optimizer, profile_training_memory
+from course_lib import optim
+from course_lib.train import TrainConfig, optimizer_kwargs, profile_training_memory
 
 
 def _step(model, opt, B=2, T=None):
@@ -31,7 +32,7 @@ def test_parameters_count_numel_times_element_size(dtype):
 
 def test_gradients_and_adamw_state_are_exact():
     m = GPT("nano")
-    opt = make_optimizer(m.parameters(), TrainConfig())
+    opt = optim.build(m, **optimizer_kwargs(TrainConfig()))
     params = list(m.parameters())
     psi, n = sum(p.numel() for p in params), len(params)
     with MemoryTracker().watch(m, opt) as mem:
@@ -115,7 +116,7 @@ def test_freed_storage_is_subtracted_and_views_are_not_double_counted():
 def test_simulated_accelerator_raises_naming_the_largest_categories():
     acc = SimulatedAccelerator("2 MiB", name="toy GPU")
     m = GPT("nano")
-    opt = make_optimizer(m.parameters())
+    opt = optim.build(m, **optimizer_kwargs(TrainConfig()))
     with pytest.raises(SimulatedOutOfMemoryError) as err:
         with acc.track(m, opt):
             _step(m, opt, B=16)
@@ -130,7 +131,7 @@ def test_simulated_accelerator_fits_predicts_by_capacity():
 
         def one_step():
             m = GPT("nano")
-            opt = make_optimizer(m.parameters())
+            opt = optim.build(m, **optimizer_kwargs(TrainConfig()))
             with acc.track(m, opt):
                 _step(m, opt)
         return acc.fits(one_step)
@@ -233,7 +234,7 @@ def test_agrees_with_torch_memtracker_on_one_training_step():
     from torch.distributed._tools.mem_tracker import MemTracker
     cfg = get_config("nano")
     m = GPT(cfg)
-    opt = make_optimizer(m.parameters())
+    opt = optim.build(m, **optimizer_kwargs(TrainConfig()))
     x, y = torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))
     _step(m, opt)                                          # AdamW's state exists before both trackers start
     opt.zero_grad(set_to_none=True)

@@ -6,12 +6,13 @@ import os
 import pytest
 import torch
 
+from course_lib.core.handles import handle_of
 from course_lib.core.costmodel import get_link
 from course_lib.core.data import ShardedBatches
 from course_lib.core.files import disk_full, is_temporary
 from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
-                                       OffloadPass, activation_offload_of, adamw_, apply_activation_offload,
+                                       OffloadPass, adamw_, apply_activation_offload,
                                        apply_offload, break_even_speedup, fit_options, gpt_shape, largest_fitting,
                                        link_schedule, measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
                                        zero_offload_step_time)
@@ -19,7 +20,8 @@ from course_lib.memopt.recompute import apply_recompute
 from course_lib.core.model import (GPT, activation_bytes, block_activation_bytes, embed_activation_bytes, get_config,
                               head_activation_bytes)
 from course_lib.parallel.pipeline.stage import PipelineStage, split_layers, stage_activation_bytes
-from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
+from course_lib import optim
+from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 torch.set_num_threads(1)
 NANO = get_config("nano")
@@ -214,7 +216,7 @@ def test_activation_offload_runs_inside_a_pipeline_stage_called_directly():
         stage = PipelineStage(GPT(cfg), [0], bounds, 2)
         if name == "offload":
             assert apply_activation_offload(stage) is stage              # in place: the same kind of model
-            off = activation_offload_of(stage)
+            off = handle_of(stage, "activation_offload")
         with MemoryTracker().watch(stage) as mem:
             outs = [stage(x) for x, _ in batches]
             for out, grad in zip(outs, grads_out):
@@ -276,8 +278,8 @@ def test_activation_offload_refuses_what_it_cannot_handle():
     x, _ = _micro_batches(cfg, 2, 1)[0]
     with pytest.raises(RuntimeError, match="apply it to the model that is called"):
         stage(x)
-    activation_offload_of(model).remove()                                   # hooks off: the stage runs plainly
-    assert activation_offload_of(model) is None and stage(x).shape == (2, cfg.seq_len, cfg.d_model)
+    handle_of(model, "activation_offload").remove()                                   # hooks off: the stage runs plainly
+    assert handle_of(model, "activation_offload") is None and stage(x).shape == (2, cfg.seq_len, cfg.d_model)
     apply_recompute(model, policy="full")
     with pytest.raises(ValueError, match="offload or recompute a block, not both"):
         apply_activation_offload(model)
@@ -302,7 +304,7 @@ def test_offload_adam_in_fp32_trains_exactly_like_torch_adamw():
     tc = TrainConfig(steps=3, batch_size=4, weight_decay=0.1)
     batches = ShardedBatches(NANO.seq_len, tc.batch_size)
     m1, m2 = GPT(NANO), GPT(NANO)
-    r1 = run(m1, make_optimizer(m1.parameters(), tc), batches, steps=tc.steps)
+    r1 = run(m1, optim.build(m1, **optimizer_kwargs(tc)), batches, steps=tc.steps)
     opt = OffloadAdam(m2.parameters(), **optimizer_kwargs(tc))
     r2 = run(m2, opt, batches, steps=tc.steps)
     assert r1.losses == r2.losses
@@ -467,8 +469,9 @@ def test_measured_disk_bandwidth_is_positive_and_leaves_nothing(tmp_path):
 def test_apply_offload_builds_the_pieces_for_train_run(tmp_path):
     tc = TrainConfig(steps=2, batch_size=2)
     gpt = GPT(NANO)
-    model, opt = apply_offload(gpt, optimizer="disk", offload_dir=str(tmp_path), **optimizer_kwargs(tc))
-    off = activation_offload_of(model)
+    model = apply_offload(gpt, optimizer="disk", offload_dir=str(tmp_path))
+    opt = optim.build(model, **optimizer_kwargs(tc))
+    off = handle_of(model, "activation_offload")
     assert model is gpt and isinstance(off, ActivationOffload) and isinstance(opt, OffloadAdam) and opt.log is off.log
     r = run(model, opt, ShardedBatches(NANO.seq_len, tc.batch_size), steps=tc.steps)
     off.close()
@@ -476,7 +479,7 @@ def test_apply_offload_builds_the_pieces_for_train_run(tmp_path):
     assert len(r.losses) == 2 and next(model.parameters()).dtype == torch.bfloat16
     assert {e.group for e in opt.log.events} >= {"pcie", "disk", "compute"}
     with pytest.raises(ValueError, match="tier must be one of"):
-        apply_offload(GPT(NANO), optimizer="nvme")
+        optim.build(apply_offload(GPT(NANO), optimizer="nvme"), lr=1e-3)
 
 
 # ============================================================================================ the decision

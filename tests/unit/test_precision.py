@@ -13,7 +13,8 @@ import torch
 from course_lib.core.data import ShardedBatches
 from course_lib.memopt import precision as P
 from course_lib.core.model import GPT, get_config
-from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
+from course_lib import optim
+from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 CFG = get_config("nano")
 TC = TrainConfig(steps=3, batch_size=4)
@@ -127,7 +128,7 @@ def test_attach_backpropagates_the_scaled_loss_but_reports_the_true_one():
 # ============================================================================================ mixed precision
 def _train(recipe, steps=3, optimizer="adamw", scaler=None, probes=()):
     mp = P.apply_precision(GPT(CFG), recipe=recipe, scaler=scaler)
-    opt = mp.make_optimizer(**optimizer_kwargs(TC))
+    opt = optim.build(mp, **optimizer_kwargs(TC))
     r = run(mp, opt, ShardedBatches(CFG.seq_len, 4), steps=steps, step_fn=mp.step_fn(), probes=probes)
     return r, mp, opt
 
@@ -166,7 +167,7 @@ def test_the_compute_copys_unscaled_gradient_is_fp32s_to_the_formats_precision()
 
 def test_an_overflowing_step_is_skipped_and_the_scale_halves():
     mp = P.apply_precision(GPT(CFG), recipe="fp16", scaler=P.DynamicLossScaler(init_scale=2.0 ** 10))
-    opt = mp.make_optimizer(**optimizer_kwargs(TC))
+    opt = optim.build(mp, **optimizer_kwargs(TC))
     before = [m.clone() for m in opt.masters]
     for p in mp.parameters():
         p.grad = torch.ones_like(p)
@@ -183,7 +184,7 @@ def test_an_overflowing_step_is_skipped_and_the_scale_halves():
 
 def test_without_loss_scaling_fp16_activation_gradients_of_a_trained_model_underflow_and_with_it_none_do():
     model = GPT(CFG)
-    run(model, make_optimizer(model.parameters(), TrainConfig(batch_size=8)), ShardedBatches(CFG.seq_len, 8), steps=80)
+    run(model, optim.build(model, **optimizer_kwargs(TrainConfig(batch_size=8))), ShardedBatches(CFG.seq_len, 8), steps=80)
     x, y = ShardedBatches(CFG.seq_len, 32, seed=99).get(0)
     g32 = P.backward_gradients(model, x, y)
     half = copy.deepcopy(model).half()           # the bare cast: apply_precision would add its loss scale

@@ -12,7 +12,8 @@ import torch
 from course_lib.core.data import ShardedBatches
 from course_lib.memopt import quantize as Q
 from course_lib.core.model import GPT, get_config
-from course_lib.train import MemoryProbe, TrainConfig, make_optimizer, optimizer_kwargs, run
+from course_lib import optim
+from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")   # torch.jit, inside bitsandbytes
@@ -157,7 +158,7 @@ def test_adam8bit_trains_like_adamw_and_like_bitsandbytes_adam8bit():
     does too. The losses agree to 0.02 (the seed-to-seed spread of this run is about 0.1)."""
     import bitsandbytes as bnb
     tc = TrainConfig(batch_size=8)
-    adamw = _train(lambda ps: make_optimizer(ps, tc))[0].losses
+    adamw = _train(lambda ps: optim.AdamW(ps, **optimizer_kwargs(tc)))[0].losses
     ours = _train(lambda ps: Q.Adam8bit(ps, block_size=256, **optimizer_kwargs(tc)))[0].losses
     theirs = _train(lambda ps: bnb.optim.Adam8bit(ps, min_8bit_size=0, **optimizer_kwargs(tc)))[0].losses
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.02

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
+from course_lib.core.handles import handle_of
 from course_lib.core.data import ShardedBatches
 from course_lib.memory import MemoryTracker
 from course_lib.memopt.recompute import (CheckpointError, Plan, RecomputePlan, Unit, all_but_matmuls,
@@ -18,7 +19,8 @@ from course_lib.memopt.recompute.costs import formula_costs, plan_extra, plan_pe
 from course_lib.memopt.recompute.measured import FlopProbe, activation_peak, measure_costs
 from course_lib.memopt.recompute.optimum import min_budget, optimal_plan, pareto_front
 from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config, lm_loss
-from course_lib.train import GradProbe, MemoryProbe, TrainConfig, make_optimizer, run
+from course_lib import optim
+from course_lib.train import GradProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 POLICIES = {"full": recompute_all, "selective": attention_core, "all_but_matmuls": all_but_matmuls}
 
@@ -204,11 +206,11 @@ def test_apply_recompute_keeps_names_and_can_be_replaced_or_removed():
     names = [n for n, _ in model.named_parameters()]
     apply_recompute(model, policy="selective")
     apply_recompute(model, policy="full")
-    assert [n for n, _ in model.named_parameters()] == names and str(model.recompute_plan) == "[F] [F]"
+    assert [n for n, _ in model.named_parameters()] == names and str(handle_of(model, "recompute")) == "[F] [F]"
     n_hooks = sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks)
     assert n_hooks == 4
     remove_recompute(model)
-    assert model.recompute_plan is None and not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
+    assert handle_of(model, "recompute") is None and not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
 
 
 class _Wrapper(torch.nn.Module):
@@ -227,7 +229,7 @@ def test_apply_recompute_changes_the_model_in_place_and_reaches_through_wrappers
     model = GPT("nano")
     assert apply_recompute(model, policy="full") is model
     wrapped = _Wrapper(GPT("nano"))
-    assert apply_recompute(wrapped, policy="every", k=2) is wrapped and str(wrapped.recompute_plan) == "[F F]"
+    assert apply_recompute(wrapped, policy="every", k=2) is wrapped and str(handle_of(wrapped, "recompute")) == "[F F]"
     assert all(b._forward_hooks for b in wrapped.module.blocks)
     x = torch.randint(0, 256, (2, 64))
     _, loss = wrapped(x, x.roll(1, 1))
@@ -255,7 +257,7 @@ def test_recomputation_and_activation_offload_refuse_the_same_blocks_in_either_o
     """Recomputation replays a block in backward, when offload has already moved what it saved: the two are
     alternatives for one block, and each refuses a model the other holds, with the fix (ParallelPlan.check refuses
     the combination before launch too)."""
-    from course_lib.memopt.offload import ActivationOffload, activation_offload_of
+    from course_lib.memopt.offload import ActivationOffload
     cfg = get_config("nano")
     with pytest.raises(ValueError, match="offload or recompute a block, not both"):
         ActivationOffload(apply_recompute(GPT(cfg, seed=0), policy="full"))
@@ -265,7 +267,7 @@ def test_recomputation_and_activation_offload_refuse_the_same_blocks_in_either_o
             apply_recompute(offloaded, policy="selective")
         with pytest.raises(ValueError, match="offload or recompute a block, not both"):
             apply_recompute(offloaded.module, policy="selective")
-        assert activation_offload_of(offloaded.module) is not None
+        assert handle_of(offloaded.module, "activation_offload") is not None
     finally:
         offloaded.close()
 
@@ -327,7 +329,7 @@ def _measure(cfg, plan, batch, seed=0):
     if plan is not None:
         apply_recompute(model, policy=plan)
     torch.manual_seed(seed)
-    r = run(model, make_optimizer(model.parameters(), TrainConfig()), ShardedBatches(cfg.seq_len, batch, seed=seed),
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, batch, seed=seed),
             steps=1, probes=[MemoryProbe(), FlopProbe(), GradProbe()])
     flops = r["flops"][0]
     return activation_peak(r["memory"]["report"]), flops["backward"] - 2 * flops["forward"], r["grads"], r.losses
@@ -382,7 +384,7 @@ def _forward_under_both(wrap):
     ({storage: bytes} MemTracker calls activations, {storage: (bytes, our category)}, our current bytes)."""
     from torch.distributed._tools.mem_tracker import MemTracker
     model = GPT("nano")
-    opt = make_optimizer(model.parameters())
+    opt = optim.build(model, **optimizer_kwargs(TrainConfig()))
     x, y = torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))
     theirs = MemTracker()
     theirs.track_external(model, opt)
@@ -502,7 +504,7 @@ def test_apply_recompute_on_a_pipeline_stage_recomputes_only_its_blocks(policy):
     plan = make_plan(policy, 2, k=2 if policy == "every" else None)
     grads, held, peak = _stage_step(stage, x, plan)
     chain = stage_chain(formula_costs(cfg, 2), bounds, 1)
-    assert stage.recompute_plan == plan and chain.embed == chain.head == 0 and len(chain.blocks) == 2
+    assert handle_of(stage, "recompute") == plan and chain.embed == chain.head == 0 and len(chain.blocks) == 2
     assert all(torch.equal(grads[k], plain[k]) for k in plain)
     assert held == plan_held(plan, chain) and peak == plan_peak(plan, chain)
     assert held_plain == plan_held(make_plan("none", 2), chain) == 2 * block_activation_bytes(cfg, 2)
@@ -514,7 +516,7 @@ def test_a_segment_may_not_span_two_stages_of_an_interleaved_rank():
     stage = PipelineStage(GPT(get_config("nano", n_layer=4)), [0, 2], bounds, 4)    # rank 0: blocks 0 and 2
     with pytest.raises(ValueError, match="spans two pipeline stages"):
         apply_recompute(stage, policy="every", k=2)
-    assert str(apply_recompute(stage, policy="full").recompute_plan) == "[F] [F]"
+    assert str(handle_of(apply_recompute(stage, policy="full"), "recompute")) == "[F] [F]"
 
 
 def test_pipeline_peaks_are_m_minus_1_held_plus_one_working_set():
@@ -548,7 +550,7 @@ def test_the_activation_peak_probe_gives_the_reports_activation_peak():
     for probe in (MemoryProbe(), ActivationPeakProbe()):
         model = apply_recompute(GPT(cfg), policy="full")
         torch.manual_seed(0)
-        r = run(model, make_optimizer(model.parameters(), TrainConfig()), ShardedBatches(cfg.seq_len, 2), steps=1,
+        r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, 2), steps=1,
                 probes=[probe])
         peaks.append(r[probe.name] if probe.name != "memory" else activation_peak(r["memory"]["report"]))
     assert peaks[0] == peaks[1] == plan_peak(make_plan("full", cfg.n_layer), formula_costs(cfg, 2))

@@ -12,7 +12,8 @@ from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.async_ckpt import CheckpointProbe
-from course_lib.train import Probe, TrainConfig, make_optimizer, run
+from course_lib import optim
+from course_lib.train import Probe, TrainConfig, optimizer_kwargs, run
 
 CFG = get_config("nano")
 TC = TrainConfig(batch_size=4)
@@ -20,7 +21,7 @@ TC = TrainConfig(batch_size=4)
 
 def _fresh():
     model = GPT(CFG, seed=0)
-    return model, make_optimizer(model.parameters(), TC)
+    return model, optim.build(model, **optimizer_kwargs(TC))
 
 
 def _batches():

@@ -21,7 +21,8 @@ from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.state import ResumedBatches, training_state
-from course_lib.train import TrainConfig, make_optimizer, run
+from course_lib import optim
+from course_lib.train import TrainConfig, optimizer_kwargs, run
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = get_config("nano")
@@ -30,7 +31,7 @@ TC = TrainConfig(batch_size=4)
 
 def _fresh(cfg=CFG):
     model = GPT(cfg, seed=0)
-    return model, make_optimizer(model.parameters(), TC)
+    return model, optim.build(model, **optimizer_kwargs(TC))
 
 
 def _batches(batch_size=4):
@@ -161,11 +162,12 @@ def test_resume_in_a_new_process_is_bit_for_bit(three, tmp_path):
         import torch
         from course_lib.core.data import ShardedBatches
         from course_lib.core.model import GPT, get_config
+        from course_lib import optim
         from course_lib.resilience import checkpoint as C
-        from course_lib.train import TrainConfig, make_optimizer, run
+        from course_lib.train import TrainConfig, optimizer_kwargs, run
         torch.set_num_threads(1)
         model = GPT(get_config("nano"), seed=0)
-        opt = make_optimizer(model.parameters(), TrainConfig(batch_size=4))
+        opt = optim.build(model, **optimizer_kwargs(TrainConfig(batch_size=4)))
         r = C.load({str(root2)!r}, model, opt, batches=ShardedBatches(64, 4))
         run(model, opt, r.batches, steps=8 - r.step)
         C.save({str(root2)!r}, model, opt, step=8)
@@ -280,7 +282,7 @@ def _save_under_a_file_size_limit(root, conn):
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
     model = GPT(get_config("nano"), seed=1)
     try:
-        C.save(root, model, make_optimizer(model.parameters(), TrainConfig()), step=7)
+        C.save(root, model, optim.build(model, **optimizer_kwargs(TrainConfig())), step=7)
         conn.send("saved")
     except C.CheckpointError as e:
         conn.send(f"refused: {e}")

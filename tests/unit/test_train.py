@@ -2,7 +2,8 @@ import pytest
 
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
-from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, Probe, TrainConfig, evaluate, make_optimizer,
+from course_lib import optim
+from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, Probe, TrainConfig, evaluate, optimizer_kwargs,
                               run, sample, train_reference, uniform_loss)
 
 
@@ -30,7 +31,7 @@ def test_accumulating_micro_batches_hands_the_optimizer_the_whole_batchs_gradien
     for K in (1, 4):
         m = GPT(cfg).double()
         data = ShardedBatches(cfg.seq_len, 8 // K, accum_steps=K)
-        r = run(m, make_optimizer(m.parameters()), data, steps=1, probes=[GradProbe()])
+        r = run(m, optim.build(m, **optimizer_kwargs(TrainConfig())), data, steps=1, probes=[GradProbe()])
         grads[K] = r["grads"]
     assert max((grads[1][k] - grads[4][k]).abs().max().item() for k in grads[1]) < 1e-12
 
@@ -38,7 +39,7 @@ def test_accumulating_micro_batches_hands_the_optimizer_the_whole_batchs_gradien
 def test_probes_see_every_phase_and_the_states_after_the_step():
     cfg = get_config("nano")
     m = GPT(cfg)
-    opt = make_optimizer(m.parameters())
+    opt = optim.build(m, **optimizer_kwargs(TrainConfig()))
     seen = []
 
     class Spy(Probe):
@@ -59,10 +60,10 @@ def test_probes_see_every_phase_and_the_states_after_the_step():
 def test_grad_probe_copies_are_not_counted_by_a_memory_probe():
     cfg = get_config("nano")
     m = GPT(cfg)
-    with_grads = run(m, make_optimizer(m.parameters()), ShardedBatches(cfg.seq_len, 2), steps=1,
+    with_grads = run(m, optim.build(m, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, 2), steps=1,
                      probes=[MemoryProbe(timeline=False), GradProbe()])
     m = GPT(cfg)
-    without = run(m, make_optimizer(m.parameters()), ShardedBatches(cfg.seq_len, 2), steps=1,
+    without = run(m, optim.build(m, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, 2), steps=1,
                   probes=[MemoryProbe(timeline=False)])
     assert with_grads["memory"]["after_step"] == without["memory"]["after_step"] and with_grads["grads"]
 
@@ -70,7 +71,7 @@ def test_grad_probe_copies_are_not_counted_by_a_memory_probe():
 def test_run_refuses_bad_steps_and_two_probes_with_one_name():
     cfg = get_config("nano")
     m = GPT(cfg)
-    opt = make_optimizer(m.parameters())
+    opt = optim.build(m, **optimizer_kwargs(TrainConfig()))
     data = ShardedBatches(cfg.seq_len, 2)
     with pytest.raises(ValueError, match="steps"):
         run(m, opt, data, steps=-1)
@@ -101,6 +102,6 @@ def test_progress_bar_shows_the_loss_without_a_redraw_per_step(monkeypatch):
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     m = GPT(get_config("nano"))
-    r = run(m, make_optimizer(m.parameters()), ShardedBatches(64, 2), steps=3, progress=True)
+    r = run(m, optim.build(m, **optimizer_kwargs(TrainConfig())), ShardedBatches(64, 2), steps=3, progress=True)
     assert calls == [("open", 3)] + [c for loss in r.losses for c in (("postfix", False, f"{loss:.3f}"), ("update", 1))] \
         + [("close",)]

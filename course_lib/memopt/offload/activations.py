@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ...core.costmodel import Link, get_link
+from ...core.handles import attach, detach, handle_of
 from ...distributed.comm import Ledger
 from ..memory_fit import DEFAULT_LINK
 from ...memory import carry_tracking, now, saved_tensors_hooks_over
@@ -83,7 +84,7 @@ class ActivationOffload(nn.Module):
         layers = blocks_of(model) if layers is None else list(layers)
         if not layers:
             raise ValueError("ActivationOffload needs at least one layer to offload (pass layers=[...])")
-        if getattr(model, "recompute_plan", None) is not None:
+        if handle_of(model, "recompute") is not None:
             raise ValueError("recomputation is applied to this model's blocks: it replays them in backward, where "
                              "there is nothing left to offload; offload or recompute a block, not both "
                              "(memopt.recompute.remove_recompute(model) first, or pass layers= the others)")
@@ -113,6 +114,7 @@ class ActivationOffload(nn.Module):
                                                           always_call=True)]
         for m in [model, *layers]:
             _OWNER[m] = weakref.ref(self)
+        attach(model, "activation_offload", self)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -287,6 +289,7 @@ class ActivationOffload(nn.Module):
         for m in [self.module, *self.layers]:
             if activation_offload_of(m) is self:
                 del _OWNER[m]
+        detach(self.module, "activation_offload")
 
     def __enter__(self) -> "ActivationOffload":
         return self
@@ -301,7 +304,8 @@ class ActivationOffload(nn.Module):
 
 
 def activation_offload_of(model: nn.Module) -> "ActivationOffload | None":
-    """The `ActivationOffload` hooked on `model` (or on this block), if any."""
+    """The `ActivationOffload` hooked on `model` or on this block, if any (a model's own: `handle_of(model,
+    'activation_offload')`)."""
     ref = _OWNER.get(model)
     return ref() if ref is not None else None
 
@@ -309,7 +313,7 @@ def activation_offload_of(model: nn.Module) -> "ActivationOffload | None":
 def apply_activation_offload(model: nn.Module, mesh=None, *, layers=None, prefetch: bool = True,
                              log: Ledger | None = None) -> nn.Module:
     """vDNN on `model`'s blocks, in place: the same model comes back, its blocks offloading what they save, whoever
-    calls it (a GPT, a TensorParallelGPT, a PipelineStage). `activation_offload_of(model)` is the handle: its `log`,
+    calls it (a GPT, a TensorParallelGPT, a PipelineStage). `handle_of(model, 'activation_offload')` is the handle: its `log`,
     `last_pass`, `close()`. The mesh is not used (each rank offloads its own activations). A model without blocks is
     refused (`model.blocks_of` says what it accepts), and so is a second application."""
     ActivationOffload(model, layers, prefetch=prefetch, log=log)

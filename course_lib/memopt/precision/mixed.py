@@ -5,7 +5,7 @@
 Precision is chosen in one place, by a recipe (`recipes.RECIPES`):
 
     model = apply_precision(model, mesh, recipe="bf16")     in place: the same model, of the same kind
-    opt = course_lib.optim.make(model.parameters(), model.recipe, scaler=model.scaler, vote=mesh, **hyper)
+    opt = course_lib.optim.build(model, **hyper)             fp32 masters around AdamW (`optimizer_class`)
 
 `apply_precision` keeps each parameter's fp32 value as its master (`optim.set_master`), casts the parameters to
 the compute dtype, and hooks the LM head (`lm_head`, if the model has one: a GPT, a TensorParallelGPT, the last
@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...core.handles import attach
+from ...optim.master import MixedPrecisionOptimizer
 from .loss_scale import DynamicLossScaler
 from .recipes import Recipe, get_recipe
 
@@ -71,7 +73,8 @@ class MixedPrecisionModel(nn.Module):
         recipe            the Recipe it was cast by
         scaler            its DynamicLossScaler (recipes with loss scaling), else None
         mesh              the mesh whose every rank votes on an overflowed step (None: this process alone)
-        make_optimizer()  course_lib.optim.make over its parameters with its recipe, scaler and mesh
+        optimizer_class() what builds its optimizer (course_lib.optim.build asks it): fp32 masters around the
+                          inner optimizer where the recipe keeps them, with its scaler and mesh
         step_fn()         `train.run`'s step: for fp16, forward and backward under `fp32_accumulation`
 
     The logits leave `lm_head` in fp32 (a hook), so the loss is an fp32 reduction, and with loss scaling the
@@ -82,12 +85,20 @@ class MixedPrecisionModel(nn.Module):
     scaler: DynamicLossScaler | None
     mesh: object
 
-    def make_optimizer(self, optimizer_cls="adamw", **optimizer_kwargs) -> torch.optim.Optimizer:
-        """fp32 master weights: a MixedPrecisionOptimizer around `optimizer_cls`; otherwise `optimizer_cls` itself,
-        over the model's parameters (course_lib.optim.make)."""
-        from ...optim import make
-        return make(self.parameters(), self.recipe, optimizer=optimizer_cls, scaler=self.scaler, vote=self.mesh,
-                    **optimizer_kwargs)
+    def optimizer_class(self, inner):
+        """What builds this model's optimizer over a list of parameters, `cls(params, **hyper)`: with fp32 master
+        weights a `MixedPrecisionOptimizer` around `inner` (masters: each parameter's `master_of`, else an fp32
+        copy of it — ZeRO's shards), its loss scaler's unscale-and-skip, every rank of `mesh` voting on a skip
+        (`optim.overflow_vote`); without them, `inner` itself. A model left in fp32 for a sharder that casts its
+        own gathers (`apply_precision(cast=False)`: FSDP) keeps its fp32 shards as the masters: `inner` too,
+        unless the loss is scaled."""
+        r = self.recipe
+        if not r.master_weights or (not self.cast and not r.loss_scaling):
+            return inner
+
+        def build(params, **hyper):
+            return MixedPrecisionOptimizer(params, inner, scaler=self.scaler, vote=self.mesh, **hyper)
+        return build
 
     def step_fn(self, inner=None):
         """A `train.run` step_fn: `inner` (default: `train.forward_backward`) under fp32 accumulation for fp16."""
@@ -130,7 +141,7 @@ def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf
     """Cast `model` to the recipe's compute precision, in place; returns the same object, now also a
     MixedPrecisionModel (see there). Run it after tensor parallelism and the pipeline split (it casts whatever
     parameters this rank holds) and before data parallelism / ZeRO, which then reduce and shard the compute
-    copy's gradients (half the bytes of fp32); build the optimizer last, with `course_lib.optim.make`.
+    copy's gradients (half the bytes of fp32); build the optimizer last, with `course_lib.optim.build`.
 
     mesh: every rank of it (pp, dp and tp) agrees on whether a step overflowed (`optim.overflow_vote`). head: the
     submodule whose output are the logits (none: e.g. a pipeline stage without the head — the scaled gradient
@@ -153,6 +164,8 @@ def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf
     model.recipe = r
     model.scaler = (scaler or DynamicLossScaler()) if r.loss_scaling else None
     model.mesh = mesh
+    model.cast = cast
+    attach(model, "precision", model)
     lm_head = dict(model.named_modules()).get(head)
     if lm_head is not None and (r.compute_dtype != torch.float32 or model.scaler is not None):
         lm_head.register_forward_hook(_Fp32Logits(model))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ...core.handles import attach, detach
 from ...core.model import blocks_of
 from .hooks import RECOMPUTED, CheckpointError, Segment, Ticket, _open, _rerunning, checkpoint
 from .policies import MATMULS, all_but_matmuls, attention_core, recompute_all, torch_policy
@@ -136,7 +137,7 @@ def apply_recompute(model, mesh=None, *, policy: "str | RecomputePlan" = "full",
     pipeline stage's — only this rank's, in order — or those inside a wrapper's `.module`), or of `blocks`,
     according to `policy`: a name for `make_plan` ('none', 'full', 'every' with k, 'sqrt', 'selective') or a
     `RecomputePlan`; 'selective' units recompute what `selective_policy` says (Korthikanti's attention core by
-    default). Changes `model` in place and returns it, with `recompute_plan` set.
+    default). Changes `model` in place and returns it; `handle_of(model, 'recompute')` is the plan.
 
     Nothing is replaced: a forward pre-hook on a unit's first block opens its `Segment`, a forward hook on its last
     block closes it, so parameter names, state dicts and the techniques applied after it (DDP, ZeRO-1/2, the
@@ -176,7 +177,7 @@ def apply_recompute(model, mesh=None, *, policy: "str | RecomputePlan" = "full",
             handles.append(b.register_forward_hook(
                 lambda mod, args, out, last=b is run[-1]: _close_segment(out, last), always_call=True))
     model._recompute_handles = handles
-    model.recompute_plan = plan
+    attach(model, "recompute", plan)
     return model
 
 
@@ -184,7 +185,8 @@ def remove_recompute(model) -> None:
     """Undo `apply_recompute(model, …)`: the blocks run and store as before."""
     for h in getattr(model, "_recompute_handles", ()):
         h.remove()
-    model._recompute_handles, model.recompute_plan = [], None
+    model._recompute_handles = []
+    detach(model, "recompute")
 
 
 def _run_blocks(run):

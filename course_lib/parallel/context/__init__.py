@@ -41,6 +41,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ...core.handles import attach, inherit
 from ...distributed.mesh import axis_comm
 from ...core.model import activation_bytes, blocks_of, get_config, lm_loss
 
@@ -326,7 +327,10 @@ def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelG
     if not isinstance(model, GPT):
         raise TypeError(f"apply_cp splits the course GPT's sequence (course_lib.core.model.GPT), got "
                         f"{type(model).__name__}; apply it before the other techniques")
-    return ContextParallelGPT(model, axis_comm(mesh_or_comm, "cp"), layout)
+    cp = ContextParallelGPT(model, axis_comm(mesh_or_comm, "cp"), layout)
+    inherit(cp, model)
+    attach(cp, "context_parallel", cp)
+    return cp
 
 
 def ring_activation_bytes(b: int, seq_len: int, d_model: int, n_head: int, cp: int, elem: int) -> int:

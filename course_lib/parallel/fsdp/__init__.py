@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ...core.handles import attach
 from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...distributed.flat import broadcast_tensors
 from ...distributed.mesh import axis_comm
@@ -318,4 +319,6 @@ def apply_fsdp(model: nn.Module, mesh_or_comm, *, units=None, **options) -> FSDP
     replicated."""
     if units is None and hasattr(model, "blocks"):
         units = model.blocks
-    return FSDP(model, axis_comm(mesh_or_comm, "dp"), units=units, **options)
+    wrapped = FSDP(model, axis_comm(mesh_or_comm, "dp"), units=units, **options)
+    attach(wrapped, "data_parallel", wrapped)
+    return wrapped

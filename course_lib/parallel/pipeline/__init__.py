@@ -4,7 +4,7 @@ bubble, and PipeDream's asynchronous variants.
     schedules   Op / Schedule; gpipe, one_f_one_b, interleaved_1f1b, zb_h1; validate, simulate, bubble, in-flight
     stage       PipelineStage (this rank's blocks of the GPT), split_layers, activation bytes per stage, B/W split
     executor    plan_pipeline → PipelineLayout (bad input → one clear error), Pipeline (the step_fn for train.run),
-                apply_pipeline (→ the stage, its executor as stage.pipeline), boundary_bytes (the pp
+                apply_pipeline (→ the stage; its executor: handle_of(stage, 'pipeline')), boundary_bytes (the pp
                 bytes per step)
     pipedream   asynchronous 1F1B without flush: no stashing (the bug), weight stashing, PipeDream-2BW
     reference   the same split trained by torch.distributed.pipelining, and its schedule tables in our notation

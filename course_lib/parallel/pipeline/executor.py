@@ -2,8 +2,8 @@
 forward and their gradients backward through the traffic ledger, so every byte between stages is counted.
 
     stage = apply_pipeline(GPT(cfg), mesh, schedule="1f1b", num_microbatches=M)
-    train.run(stage, make_optimizer(stage.parameters(), tc), mesh.batches(T, b, accum_steps=M),
-              steps=…, step_fn=stage.pipeline)                        # THE training loop; the optimizer steps this stage
+    train.run(stage, optim.build(stage, lr=…), mesh.batches(T, b, accum_steps=M),
+              steps=…, step_fn=handle_of(stage, "pipeline"))          # THE training loop; the optimizer steps this stage
 
 (`parallelize(model, mesh, ParallelPlan(pp=S, microbatches=M, …))` is that setup, with whatever else composes.)
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...core.handles import attach, inherit
 from ...distributed.mesh import axis_comm
 from ...memory import now
 from ...core.model import GPTConfig, get_config
@@ -252,14 +253,16 @@ def apply_pipeline(model, mesh_or_comm, *, num_microbatches: int, schedule="1f1b
                    layers=None) -> PipelineStage:
     """Cut `model` — the course GPT, or its tensor-parallel form (`tensor.apply_tp`; it can also come after, on the
     stage) — into pipeline stages over the mesh's pp axis; return this rank's `PipelineStage`, a model like the
-    others every `apply_*` returns, with its executor as `stage.pipeline` (the step_fn for `train.run`). Apply data
-    parallelism or ZeRO to the stage afterwards (`apply_dp(stage, mesh)`, or `apply_zero(stage, mesh, 1 | 2)` with
-    `stage.pipeline.data_parallel = optimizer`): they reduce its gradients over dp. `parallelize` does all of it."""
+    others every `apply_*` returns; `handle_of(stage, "pipeline")` is its executor (the step_fn for `train.run`).
+    Apply data parallelism or ZeRO to the stage afterwards (`apply_zero(stage, mesh, zero_stage)`) and hand its reducer
+    to the executor (`pipeline.data_parallel = handle_of(model, "data_parallel")`): it reduces the stage's gradients
+    over dp once per step. `parallelize` does all of it."""
     check_splittable(model)
     comm = axis_comm(mesh_or_comm, "pp")
     plan = plan_pipeline(model.config, comm.world_size, num_microbatches, schedule, chunks=chunks, layers=layers)
     stage = PipelineStage(model, plan.schedule.stages_of(comm.rank), plan.bounds, plan.schedule.num_virtual_stages)
-    stage.pipeline = Pipeline(stage, comm, plan)
+    inherit(stage, model)
+    attach(stage, "pipeline", Pipeline(stage, comm, plan))
     return stage
 
 

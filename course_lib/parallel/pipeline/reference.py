@@ -21,7 +21,8 @@ import torch
 
 from ...core.data import ShardedBatches
 from ...core.model import GPT, lm_loss
-from ...train import TrainConfig, make_optimizer
+from ... import optim
+from ...train import TrainConfig, optimizer_kwargs
 from .executor import plan_pipeline
 from .stage import PipelineStage
 
@@ -64,7 +65,7 @@ def torch_pipeline_run(ctx, cfg, tc: TrainConfig, schedule: str, num_microbatche
     step times and the schedule's order on every rank."""
     sched, params, (first, last) = torch_schedule(ctx, cfg, schedule, num_microbatches, chunks=chunks, layers=layers,
                                                   dtype=dtype, seed=tc.seed)
-    opt = make_optimizer(params.values(), tc)
+    opt = torch.optim.AdamW(params.values(), **optimizer_kwargs(tc))
     data = ShardedBatches(cfg.seq_len, tc.batch_size, seed=tc.data_seed)
     grads0, losses, seconds = {}, [], []
     for step in range(tc.steps):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ...core.handles import attach, inherit
 from ...distributed.mesh import axis_comm
 from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...core.model import GPT, TP_PLAN, blocks_of
@@ -226,7 +227,10 @@ def apply_tp(model, mesh_or_comm, *, sequence_parallel: bool = False, regather: 
     tp = TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
     if is_stage:
         model.rebind(tp)                # the stage's modules, now tensor-parallel, under TP's embed, head and loss
+        attach(model, "tensor_parallel", tp)
         return model
+    inherit(tp, model)
+    attach(tp, "tensor_parallel", tp)
     return tp
 
 

@@ -19,7 +19,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from ...core.data import ShardedBatches
 from ...distributed.mesh import Mesh, data_parallel_batches
 from ...core.model import GPT
-from ...train import GradProbe, LedgerProbe, MemoryProbe, make_optimizer, optimizer_kwargs, run
+from ... import optim
+from ...train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
 from ..zero import apply_zero
 from .gpt import apply_tp, layer_traffic, torch_parallelize_blocks
 from .megatron import CollectiveLog, padded_vocab
@@ -39,7 +40,7 @@ def tp_step(comm, tp, ref_grads, batches, *, dtensor=False) -> dict:
     mem = MemoryProbe(timeline=False)
     probes = [GradProbe()] + ([] if dtensor else [mem, LayerActivationProbe(mem)])
     with CollectiveLog() as log, (CommDebugMode() if dtensor else contextlib.nullcontext()) as dt_comms:
-        r = run(tp, make_optimizer(tp.parameters()), batches, steps=1, probes=probes)
+        r = run(tp, optim.build(tp, **optimizer_kwargs(TrainConfig())), batches, steps=1, probes=probes)
     grads = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in r["grads"].items()}
     cut = (lambda name, full: full) if dtensor else tp.local_shard
     n_layer = len(tp.blocks)
@@ -103,7 +104,8 @@ def dp_tp_worker(ctx, cfg, tc, ref_params) -> dict:
     mesh = Mesh(ctx.comm, dp=2, tp=2)
     batches = data_parallel_batches(mesh, cfg.seq_len, tc.batch_size, seed=tc.data_seed)
     tp = apply_tp(GPT(cfg, seed=tc.seed).to(DTYPE), mesh)
-    model, opt = apply_zero(tp, mesh, 1, **optimizer_kwargs(tc))
+    model = apply_zero(tp, mesh, 1)
+    opt = optim.build(model, **optimizer_kwargs(tc))
     ctx.comm.ledger.reset()                         # forget the broadcast at wrap time
     r = run(model, opt, batches, steps=tc.steps, probes=[LedgerProbe(ctx.comm, groups=("dp", "tp"))],
             keep_params=True)
@@ -117,7 +119,7 @@ def dp_tp_worker(ctx, cfg, tc, ref_params) -> dict:
     fully_shard(ref_model, mesh=dm["dp"])
     # fused AdamW (every parameter is a DTensor here): one DTensor op per step instead of ~60 distinct ones, each
     # paying DTensor's first-call sharding propagation on every rank; the same update (float64: ~1e-16 apart)
-    r2 = run(ref_model, make_optimizer(ref_model.parameters(), tc, functools.partial(torch.optim.AdamW, fused=True)),
+    r2 = run(ref_model, torch.optim.AdamW(ref_model.parameters(), fused=True, **optimizer_kwargs(tc)),
              batches, steps=tc.steps)
     out["torch losses"] = r2.losses
     out["torch d_param"] = max((v.full_tensor() - ref_params[k]).abs().max().item()

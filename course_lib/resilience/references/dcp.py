@@ -5,11 +5,9 @@ a wrong value.
 """
 from __future__ import annotations
 
-import functools
-
 from ...core.model import GPT
 from ...distributed.mesh import data_parallel_batches
-from ...train import make_optimizer, run
+from ...train import optimizer_kwargs, run
 from .workers import CONFIG, TRAIN
 
 
@@ -29,7 +27,7 @@ def dcp_worker(ctx, path, steps: int = 0, seed: int = 0):
     fully_shard(model, mesh=mesh)
     # fused AdamW: one DTensor op per step instead of ~60 distinct ones, each paying DTensor's first-call sharding
     # propagation in every rank (about a CPU-second per rank); saving and loading build the same optimizer
-    opt = make_optimizer(model.parameters(), TRAIN, functools.partial(torch.optim.AdamW, fused=True))
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_kwargs(TRAIN))
     if steps:
         run(model, opt, data_parallel_batches(ctx.comm, CONFIG.seq_len, TRAIN.batch_size, seed=seed), steps=steps)
         msd, osd = get_state_dict(model, opt)

@@ -14,9 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ... import optim
 from ...core.data import ShardedBatches
 from ...core.model import GPT
-from ...train import make_optimizer
+from ...train import optimizer_kwargs
 from .forked import start_forked, stop_forked
 from .workers import CONFIG, TRAIN
 
@@ -45,7 +46,7 @@ def torchft_replica(replica: int, lighthouse: str, steps: int, kill_step: int, l
     while standby and not Path(work, "go").exists():
         time.sleep(0.01)
     model = GPT(CONFIG, seed=TRAIN.seed)
-    opt = make_optimizer(model.parameters(), TRAIN)
+    opt = optim.build(model, **optimizer_kwargs(TRAIN))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)    # this group's own store
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1, use_async_quorum=False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from ... import optim
 from ...core.model import GPT, get_config
 from ...distributed.mesh import data_parallel_batches
 from ...parallel.zero import apply_zero
@@ -23,7 +24,8 @@ TRAIN = TrainConfig(batch_size=12, eps=1e-6)   # splits over 1, 2, 3, 4 and 6 ra
 def _build(ctx, stage, seed):
     """The nano GPT with ZeRO-`stage` (0 = DDP, 3 = FSDP) and this dp rank's batches; `seed` for both."""
     tc = replace(TRAIN, seed=int(seed), data_seed=int(seed))
-    model, opt = apply_zero(GPT(CONFIG, seed=tc.seed), ctx.comm, int(stage), **optimizer_kwargs(tc))
+    model = apply_zero(GPT(CONFIG, seed=tc.seed), ctx.comm, int(stage))
+    opt = optim.build(model, **optimizer_kwargs(tc))
     return model, opt, data_parallel_batches(ctx.comm, CONFIG.seq_len, tc.batch_size, seed=tc.data_seed)
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..memopt.quantize.blockwise import (PAPER_BLOCK_SIZE, QTensor, _decode, _encode, _map, block_lengths,
-                                         dequantize_blockwise)
-from .adamw import adamw_
+from ...optim.adamw import adamw_
+from .blockwise import (PAPER_BLOCK_SIZE, QTensor, _decode, _encode, _map, block_lengths, dequantize_blockwise)
 
 
 class Adam8bit(torch.optim.Optimizer):

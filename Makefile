@@ -18,18 +18,21 @@ JOBS ?= 2
 # test run compile torch and course_lib from source again (~4 s each).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install lab test labs run-all book clean help
+.PHONY: install lab test lint unit labs run-all book clean help
 
 help:
 	@echo "make lab      set up (first time) and open the course in JupyterLab"
 	@echo "make test     set up (first time) and run every test, notebook and lab check"
+	@echo "make lint     ruff on the whole tree (pyflakes, pycodestyle, import order): make test runs it first"
+	@echo "make unit     lint, then the unit tests only (a minute): the quick loop while editing course_lib"
 	@echo "make labs     regenerate labs/ from solutions/"
 	@echo "make run-all  execute every notebook into build/executed/ and time each (instructor dry run)"
-	@echo "make book     the course as a static HTML site in build/book/ (executes every notebook first)"
+	@echo "make book     the course as a website in build/book/ (executes every notebook first)"
 	@echo "make clean    remove build outputs (keeps .venv)"
 
 install:
 	@PYTHON="$(PYTHON)" TORCH_INDEX="$(TORCH_INDEX)" sh tools/install.sh
+	@$(PY) tools/nbfmt.py --install-git-filter
 
 lab: install
 	@$(PY) tools/serve.py --ip "$(IP)" --port "$(PORT)"
@@ -38,10 +41,16 @@ lab: install
 # oversubscribed machine made notebook 00 run 3-4x slower than alone.
 # nbval runs the lectures at their defaults; solutions/ runs under papermill (tests/notebooks/test_papermill.py,
 # with other knobs where they have any), so it is not collected here: that would run each solution twice.
-test: install
+test: install lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) --dist loadscope -p no:cacheprovider -rs --durations=10 \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=300 --timeout=1200 \
 		tests notebooks
+
+lint: install
+	$(PY) -m ruff check --no-cache .
+
+unit: install lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) -p no:cacheprovider -q tests/unit tests/test_layering.py tests/test_docs.py
 
 labs: install
 	$(PY) tools/make_labs.py
@@ -49,7 +58,8 @@ labs: install
 run-all: install
 	$(PY) tools/run_all.py
 
-# Executes every notebook (as run-all does), then writes build/book/index.html and its pages; open it from disk.
+# Executes every notebook (as run-all does), then builds the website build/book/ with Sphinx (tools/book.py);
+# open build/book/index.html from disk.
 book: install
 	OMP_NUM_THREADS=1 $(PY) tools/book.py
 

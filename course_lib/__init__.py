@@ -33,6 +33,9 @@ and those below (tests/test_layering.py reads every import, function-local ones 
       checks/        lab checks: one pass line with the measured figure, or one failure with a hint
 
 The formulas every module is checked against are in docs/formulas.md ("formulas §N").
+
+The package itself holds `show_source` and the environment checks (`_env`: a broken set-up becomes a message saying
+what to run).
 """
 from ._env import EnvironmentProblem, KnobError, check_environment, check_knobs, check_python
 

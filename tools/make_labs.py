@@ -1,28 +1,35 @@
 #!/usr/bin/env python3
 """Generate labs/ from solutions/: every `### BEGIN SOLUTION` … `### END SOLUTION` region becomes
 `# YOUR CODE HERE (≈N lines)` + `raise NotImplementedError()` at the region's indent (nbgrader's ClearSolutions
-rule, so instructors can also run nbgrader on solutions/). In markdown cells a region becomes `YOUR ANSWER HERE`.
+rule). Regions live in code cells only (nbgrader would want a markdown answer graded by hand).
 
     python tools/make_labs.py            write labs/labNN_*.ipynb
     python tools/make_labs.py --check    exit 1 if any lab is stale (the nbdev-ci pattern); CI runs this
     python tools/make_labs.py --nbgrader COURSE_DIR [lab00 lab05 …]
                                          an nbgrader course: COURSE_DIR/source/labNN/labNN_*.ipynb (the solution
                                          with its cells marked for nbgrader) and COURSE_DIR/nbgrader_config.py
+    python tools/make_labs.py --collect COURSE_DIR STUDENT NOTEBOOK…
+                                         hand in a learner's lab(s): COURSE_DIR/submitted/STUDENT/labNN/ with the
+                                         file's time as nbgrader's timestamp; a notebook that is not a lab from
+                                         labs/ (no nbgrader cells, or not all of them) is refused, saying why
 
 For nbgrader, each code cell holding a solution region becomes an answer cell ("Autograded answer"), and each check
 cell (a cell that calls `check_…(`) an autograded test worth one point per check it calls: a check that fails raises
-`CheckFailed`, so nbgrader scores it 0; a stub fails every check ("not implemented yet"). Then, in COURSE_DIR:
-`nbgrader generate_assignment labNN` writes the student version to release/, and `nbgrader autograde labNN` grades
-submitted/STUDENT/labNN/ (it runs the course kernel, which `make lab` registers).
+`CheckFailed`, so nbgrader scores it 0; a stub fails every check ("not implemented yet"). labs/ carries the same
+cell metadata (with nbgrader's checksums), so it IS the student version: the notebook a learner solves in labs/ is
+the one that grades, and nbgrader's Validate fails on it until every check passes. In COURSE_DIR,
+`nbgrader generate_assignment labNN` records the lab in the gradebook (and writes release/, the same exercises as
+labs/), and `nbgrader autograde labNN` grades submitted/STUDENT/labNN/ in the course kernel (`make lab` registers it).
 
 Nested or unterminated regions are errors, as is a solution without any region or a lab without a solution.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import re
+import shutil
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
@@ -67,19 +74,21 @@ def clear_solutions(source: str, where: str, markdown: bool = False) -> tuple[st
 
 
 def make_lab(solution: Path) -> str:
-    """The lab notebook (as text) generated from one solution notebook."""
-    nb = nbformat.read(solution, as_version=4)
-    lab = copy.deepcopy(nb)
+    """The lab notebook (as text) generated from one solution notebook: the release copy nbgrader grades.
+
+    Its cells carry the nbgrader metadata `nbgrader_source` gives the solution (answer cells, autograded check cells)
+    with the checksums nbgrader's generate_assignment would store, so the copy a learner solves in labs/ is the one
+    an instructor autogrades, and nbgrader's Validate runs its checks (a stub fails them) instead of finding no test
+    to fail."""
+    from nbgrader.utils import compute_checksum
+    lab = nbgrader_source(solution)
     rel = f"solutions/{solution.name}"
-    total = 0
     for i, cell in enumerate(lab.cells):
         if cell.cell_type in ("code", "markdown"):
-            cell.source, n = clear_solutions(cell.source, f"{rel} cell {i}", markdown=cell.cell_type == "markdown")
-            total += n
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    if total == 0:
-        raise LabError(f"{rel}: no '### BEGIN SOLUTION' region, so the lab would be the solution")
+            cell.source, _ = clear_solutions(cell.source, f"{rel} cell {i}", markdown=cell.cell_type == "markdown")
+        if "nbgrader" in cell.metadata:      # as generate_assignment's ComputeChecksums leaves them
+            cell.metadata["nbgrader"]["cell_type"] = cell.cell_type
+            cell.metadata["nbgrader"]["checksum"] = compute_checksum(cell)
     note = f"<!-- GENERATED from {rel} by tools/make_labs.py: edit that file, then run `make labs` -->\n"
     first_md = next((c for c in lab.cells if c.cell_type == "markdown"), None)
     if first_md is None:
@@ -97,6 +106,11 @@ c = get_config()  # noqa: F821
 c.CourseDirectory.course_id = "llm-systems-course"
 # The checks launch real ranks: give each cell minutes, not nbgrader's default seconds.
 c.Execute.timeout = 600
+# nbgrader 0.9's gradebook trips SQLAlchemy 2's autoflush ("Object of type <SubmittedAssignment> not in session …")
+# three times per autograde; the grades it stores are unaffected (tests/test_nbgrader.py reads them back).
+import warnings  # noqa: E402
+from sqlalchemy.exc import SAWarning  # noqa: E402
+warnings.filterwarnings("ignore", category=SAWarning, message=r"Object of type <\\w+> not in session")
 """
 
 
@@ -133,8 +147,8 @@ def nbgrader_source(solution: Path) -> "nbformat.NotebookNode":
             cell.metadata["nbgrader"] = _nbgrader("check", grade_id, points=len(called))
         cell.outputs, cell.execution_count = [], None
     if answers == 0 or checks == 0:
-        raise LabError(f"{rel}: nbgrader needs at least one exercise and one check cell "
-                       f"(found {answers} and {checks})")
+        raise LabError(f"{rel}: a lab needs at least one exercise (a code cell with a '### BEGIN SOLUTION' region) "
+                       f"and one check cell (found {answers} and {checks})")
     return nb
 
 
@@ -158,17 +172,55 @@ def write_nbgrader(course: Path, solutions: list[Path]) -> list[str]:
     return problems
 
 
+def collect(course: Path, student: str, notebooks: list[Path], root: Path = ROOT) -> list[str]:
+    """Copy each learner's notebook to COURSE/submitted/STUDENT/labNN/ with a timestamp.txt (the file's time, as
+    `nbgrader submit` writes it, so grades.csv has it); the problems. A notebook without every nbgrader cell its lab
+    has (a copy made before labs/ carried them, a lecture, a renamed file) is refused: autograde would score it 0."""
+    problems = []
+    for path in notebooks:
+        solution = root / "solutions" / path.name
+        if not solution.exists():
+            problems.append(f"{path}: no lab is called {path.name}; hand in labs/labNN_topic.ipynb under its own name")
+            continue
+        want = {c.metadata["nbgrader"]["grade_id"] for c in nbgrader_source(solution).cells if "nbgrader" in c.metadata}
+        have = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nbformat.read(path, as_version=4).cells}
+        missing = sorted(want - have)
+        if missing:
+            what = "has no nbgrader cells" if not have - {None} else f"lacks the nbgrader cells {', '.join(missing)}"
+            problems.append(f"{path}: refused, it {what}, so autograde would score it 0: it is not labs/{path.name} as "
+                            f"the course gives it out. Copy the answers into a fresh labs/{path.name} (git pull) and "
+                            f"hand that in")
+            continue
+        target = course / "submitted" / student / path.name.split("_")[0] / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        when = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+        (target.parent / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
+        print(f"wrote {target} (handed in {when:%Y-%m-%d %H:%M} UTC)")
+    return problems
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail if labs/ differs from what solutions/ generates")
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--nbgrader", type=Path, metavar="COURSE_DIR", help="write an nbgrader course instead of labs/")
-    ap.add_argument("labs", nargs="*", help="with --nbgrader: only these labs, e.g. lab00 (default: all)")
+    ap.add_argument("--collect", nargs=2, metavar=("COURSE_DIR", "STUDENT"),
+                    help="hand in the NOTEBOOKs given as arguments for STUDENT")
+    ap.add_argument("labs", nargs="*", help="with --nbgrader: only these labs, e.g. lab00 (default: all); "
+                                            "with --collect: the learner's notebooks")
     args = ap.parse_args(argv)
     sol_dir, lab_dir = args.root / "solutions", args.root / "labs"
     solutions = sorted(sol_dir.glob("lab*.ipynb"))
+    if args.collect:
+        if not args.labs:
+            ap.error("--collect COURSE_DIR STUDENT needs the learner's notebook(s), e.g. lab00_warmup.ipynb")
+        problems = collect(Path(args.collect[0]), args.collect[1], [Path(p) for p in args.labs], args.root)
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 1 if problems else 0
     if args.labs and not args.nbgrader:
-        ap.error("naming labs is for --nbgrader; labs/ is always generated whole")
+        ap.error("naming labs is for --nbgrader or --collect; labs/ is always generated whole")
     if args.nbgrader:
         unknown = sorted(set(args.labs) - {s.name.split("_")[0] for s in solutions})
         if unknown:

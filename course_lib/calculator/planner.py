@@ -8,16 +8,18 @@ terms (formulas §15.7). All of it is *modeled*: `memory.memory_per_device` and 
     p.place(job)          # where a given (e.g. published) configuration ranks, and its time ÷ the best's
 
 Enumerated: tp a power of two dividing the heads (up to twice a node, so that crossing the node is on the table),
-pp dividing the layers, cp for sequences of 16K tokens or more, ep for MoE, dp the rest; micro-batch 1–8; ZeRO 1
-(and 3 without a pipeline); recomputation none / selective / full; 1F1B, or interleaved with v chunks for every
-divisor v ≥ 2 of the layers per stage up to MAX_CHUNKS (Korthikanti's 530B runs 3); SP whenever tp > 1;
-optimizer offload only when nothing fits without it.
+any pp up to the layers (an even split where pp divides them, else the first and last stages lighter, as Llama 3
+and DeepSeek-V3 ran), cp for sequences of 16K tokens or more, ep dividing the experts for MoE, dp the rest;
+micro-batch 1–8; ZeRO 1 (and 3 without a pipeline); recomputation none / selective / full; 1F1B, or interleaved
+with v chunks for every divisor v ≥ 2 of ⌈layers per stage⌉ up to MAX_CHUNKS (Korthikanti's 530B runs 3); SP
+whenever tp > 1; optimizer offload only when nothing fits without it. Every option goes through
+`config.validate` (in `evaluate`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import CalculatorError, Cluster, Decoder, Job, check_job
+from .config import CalculatorError, Cluster, Decoder, Job, validate
 from .memory import memory_per_device
 from .step_time import IDEAL, Efficiency, step_time
 
@@ -56,13 +58,17 @@ class Plan:
         return self.ranked[0]
 
     def place(self, job: Job) -> dict:
-        """Rank of `job` among the options that fit (1 = the planner's best) and its modeled time ÷ the best's;
-        a job the planner did not enumerate is evaluated and placed by its time."""
+        """Rank of `job` by modeled time among the options that fit (1 = the planner's best) and its time ÷ the
+        best's; a job the planner did not enumerate is evaluated and placed by its time. A job the memory model
+        rejects is still placed by its time (`fits` False, with the `reason`); one `validate` refuses has no time
+        (rank None)."""
         opt = evaluate(self.model, self.cluster, job, self._eff, self.world)
-        if not opt.fits:
-            return {"rank": None, "of": len(self.ranked), "ratio": None, "reason": opt.reason, "option": opt}
+        if opt.memory is None:
+            return {"rank": None, "of": len(self.ranked), "ratio": None, "fits": False, "reason": opt.reason,
+                    "option": opt}
         rank = 1 + sum(o.seconds < opt.seconds * (1 - 1e-12) for o in self.ranked)
-        return {"rank": rank, "of": len(self.ranked), "ratio": opt.seconds / self.best.seconds, "option": opt}
+        return {"rank": rank, "of": len(self.ranked), "ratio": opt.seconds / self.best.seconds, "fits": opt.fits,
+                "reason": opt.reason, "option": opt}
 
     def explain(self) -> list[str]:
         return explain(self)
@@ -72,21 +78,29 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _splits(n_layer: int, stages: int) -> bool:
+    """Whether `n_layer` layers fill `stages` stages evenly or with the ends lighter (`config.ends_split`)."""
+    return stages <= n_layer and (n_layer % stages == 0 or -(-n_layer // stages) >= 2)
+
+
 def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload: bool = False,
                recompute=(None, "selective", "full"), sequence_parallel: bool = True, zeros=(1, 3),
                schedules=("1f1b", "interleaved"), max_chunks: int = MAX_CHUNKS, micro_batches=(1, 2, 4, 8),
-               overlap_dp: bool = True):
+               overlap_dp: bool = True, precision: str = "bf16", flash_attention: bool = False,
+               overlap_ep: bool = False):
     """Every Job the planner considers; the keywords restrict it to a technique set (e.g. a 2021 paper's:
-    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False). 'interleaved' is tried with
+    recompute=('full',), sequence_parallel=False, zeros=(0, 3), overlap_dp=False; or a recipe and flash attention,
+    the same for every option). 'interleaved' is tried with
     every number of chunks v in 2..max_chunks that divides the layers per stage."""
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= 2 * cluster.devices_per_node and m.n_head % t == 0 and t <= world]
     cps = [1] + ([c for c in (2, 4, 8, 16) if m.seq_len % (2 * c) == 0] if m.seq_len >= 16384 else [])
     for tp in tps:
         for cp in cps:
-            for pp in _divisors(m.n_layer):
+            for pp in range(1, min(m.n_layer, world) + 1):
                 if world % (tp * pp * cp):
                     continue
                 dp = world // (tp * pp * cp)
+                per_stage = -(-m.n_layer // pp)               # ⌈L/pp⌉: the even split's, or the ends-lighter one's
                 eps = [e for e in _divisors(dp) if m.n_expert and m.n_expert % e == 0] or [1]
                 for mb in micro_batches:
                     if batch % (dp * mb):
@@ -95,20 +109,25 @@ def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload:
                         for rc in recompute:
                             scheds = [(sc, 1) for sc in schedules if sc != "interleaved"]
                             if "interleaved" in schedules:
-                                scheds += [("interleaved", v) for v in _divisors(m.n_layer // pp)
-                                           if 2 <= v <= max_chunks]
+                                scheds += [("interleaved", v) for v in _divisors(per_stage)
+                                           if 2 <= v <= max_chunks and _splits(m.n_layer, pp * v)]
                             for sched, v in (scheds if pp > 1 else [("1f1b", 1)]):
+                                split = None if m.n_layer % (pp * v) == 0 else "ends"
+                                if split and not _splits(m.n_layer, pp * v):
+                                    continue
                                 for ep in eps:
                                     yield Job(batch=batch, micro_batch=mb, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
-                                              zero=zero, schedule=sched, chunks=v,
+                                              zero=zero, schedule=sched, chunks=v, stage_layers=split,
                                               sequence_parallel=sequence_parallel and tp > 1, recompute=rc,
-                                              offload="optimizer" if offload else None, overlap_dp=overlap_dp)
+                                              offload="optimizer" if offload else None, overlap_dp=overlap_dp,
+                                              precision=precision, flash_attention=flash_attention,
+                                              overlap_ep=overlap_ep)
 
 
 def evaluate(m: Decoder, cluster: Cluster, job: Job, eff: Efficiency = IDEAL, world: int | None = None) -> Option:
     opt = Option(job)
     try:
-        check_job(m, cluster, job, world)
+        validate(m, cluster, job, world)
     except CalculatorError as e:
         opt.reason = str(e)
         return opt
@@ -128,10 +147,16 @@ def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff
     """Enumerate, check, fit and rank (module docstring). `world` defaults to the cluster's device count;
     `restrict` goes to `candidates` (a technique set)."""
     world = cluster.num_devices if world is None else world
-    if not isinstance(world, int) or world < 1:
+    for obj, cls in ((m, Decoder), (cluster, Cluster), (eff, Efficiency)):
+        if not isinstance(obj, cls):
+            raise CalculatorError(f"plan: expected a {cls.__name__}, got {type(obj).__name__}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise CalculatorError(f"world must be a positive number of devices, got {world!r}")
-    if not isinstance(batch, int) or batch < 1:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise CalculatorError(f"batch must be a positive number of sequences, got {batch!r}")
+    if world > cluster.num_devices:
+        raise CalculatorError(f"world={world} devices but {cluster.name} has {cluster.num_devices}; use fewer, or a "
+                              f"larger cluster")
     p = Plan(m, cluster, batch, world)
     p._eff = eff
     for offload in (False, True):
@@ -143,7 +168,7 @@ def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff
             break
     if not p.rejected and not p.ranked:
         raise CalculatorError(f"no mesh divides world={world} for {m.name}: dp × tp × pp must equal it with tp "
-                              f"dividing {m.n_head} heads, pp dividing {m.n_layer} layers and dp dividing the batch "
+                              f"dividing {m.n_head} heads, pp ≤ {m.n_layer} layers and dp dividing the batch "
                               f"{batch}; change the world size or the batch")
     return p
 

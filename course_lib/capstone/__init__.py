@@ -175,7 +175,7 @@ def _layout(p) -> dict:
     from ..parallel.zero import ShardedOptimizer
     opt, held = p.optimizer, [t for _, t in p.named_parameters() if t.requires_grad]
     psi = sum(t.numel() for t in held)
-    scaler = next((getattr(o, "scaler", None) for name, o in p.applied if name == "precision"), None)
+    scaler = getattr(p.handles.get("precision"), "scaler", None)
     history = scaler.history if scaler is not None else []           # (scale, overflowed) per step
     skipped = sum(inf for _, inf in history)
     out = {"stepped": skipped == 0 or skipped < len(history), "skipped": skipped}

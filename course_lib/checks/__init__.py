@@ -18,6 +18,9 @@ A lab's demo cell (it runs the learner's code to show what it does, before the c
 `with demo("what it shows") as d:` — a stub prints one line and Run All goes on to the check cells, which say what
 to write; a crash or a failed `d.expect(...)` prints one ✘ line and Run All goes on as well, so the learner lands
 on the check whose hint names the cause instead of on a traceback in a cell they did not write.
+
+One module per lab, its exercises' checks (`check_*`), run by the lab's check cells: lab00, lab01, lab02, lab03,
+lab04, lab05, lab06, lab07, lab08, lab09, lab10, lab11, lab12, lab13, lab14.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from ..memopt.precision import apply_precision
 from ..memopt.recompute import apply_recompute
 from ..parallel.context import apply_cp
 from ..parallel.expert import apply_ep
-from ..parallel.fsdp import norms_and_biases
+from ..parallel.fsdp import REPLICATION_RULES
 from ..parallel.pipeline import apply_pipeline
 from ..parallel.tensor import apply_tp
 from ..parallel.zero import apply_zero
@@ -76,11 +76,11 @@ def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train_config: TrainCon
     if sizes != want:
         raise PlanError(f"the mesh has {sizes} but the plan asks for {want}; build "
                         f"Mesh(comm, {', '.join(f'{a}={v}' for a, v in want.items())})")
-    return Parallelized(_build(model, mesh, plan), model.config, tc, plan, mesh)
+    return Parallelized(apply_plan(model, mesh, plan), model.config, tc, plan, mesh)
 
 
-def _build(model, mesh: Mesh, plan: ParallelPlan):
-    """Every technique of `plan`, in ORDER, on this rank's model."""
+def apply_plan(model, mesh: Mesh, plan: ParallelPlan):
+    """Every technique of `plan`, in ORDER, on this rank's model: the model to train (its optimizer: `optim.build`)."""
     if plan.cp > 1:
         model = apply_cp(model, mesh, layout=plan.cp_layout)
     if plan.tp > 1:
@@ -106,8 +106,8 @@ def _fsdp_options(plan: ParallelPlan, model) -> dict:
     out = {}
     if plan.precision is not None:
         out["compute_dtype"] = handle_of(model, "precision").recipe.compute_dtype
-    if plan.fsdp_replicate == "norms+biases":
-        out["replicate"] = norms_and_biases
+    if plan.fsdp_replicate in REPLICATION_RULES:
+        out["replicate"] = REPLICATION_RULES[plan.fsdp_replicate]
     elif plan.fsdp_replicate is not None:
         out["min_shard_numel"] = plan.fsdp_replicate
     return out
@@ -222,10 +222,13 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), n
     model = GPT(cfg, seed=tc.seed) if model is None else model
     out = apply_zero(model, comm, 0) if wrap is None else wrap(model, comm)
     wrapped, optimizer = out if isinstance(out, tuple) else (out, None)
+    own_step = optimizer is not None and num_microbatches == 1
     if optimizer is None:
         optimizer = optim.build(wrapped, **optimizer_kwargs(tc))
-    if handle_of(wrapped, "data_parallel") is None and wrapped is not model:
-        # a wrapper of one's own reduces the gradients when forward_backward calls it (its default `sync`)
+    if own_step or (handle_of(wrapped, "data_parallel") is None and wrapped is not model):
+        # a wrapper of one's own reduces the gradients when forward_backward calls it (its default `sync`); an
+        # optimizer of one's own that reduces keeps its step() alone when there is nothing to accumulate (the loop
+        # it was written for has no 'sync' phase then)
         step = forward_backward
     else:
         step = step_function(wrapped, optimizer, num_microbatches)
@@ -236,4 +239,4 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), n
                progress=progress), wrapped
 
 
-__all__ = ["parallelize", "train_parallel", "step_function", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]
+__all__ = ["parallelize", "apply_plan", "train_parallel", "step_function", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]

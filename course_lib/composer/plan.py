@@ -40,12 +40,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
-RECOMPUTE = ("full", "selective", "every", "sqrt")
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZER_TIERS = ("host", "disk")
-REPLICATE = ("norms+biases",)
-DP_KINDS = ("naive", "bucket", "overlap")          # course_lib.parallel.dp.DP_KINDS, by name
+from ..memopt.offload.optimizer import TIERS
+from ..memopt.precision.recipes import RECIPES
+from ..memopt.recompute import POLICIES, RecomputePlan
+from ..parallel.dp import DP_KINDS as _DP_KINDS
+from ..parallel.fsdp import REPLICATION_RULES
+from ..parallel.pipeline.schedules import GENERATORS
+
+# Each option's names belong to its technique; the plan offers exactly those (a name added there is accepted here).
+SCHEDULES = tuple(GENERATORS)
+RECOMPUTE = tuple(p for p in POLICIES if p != "none")       # None is the plan's "no recomputation"
+PRECISIONS = tuple(RECIPES)
+OPTIMIZER_TIERS = TIERS
+REPLICATE = tuple(REPLICATION_RULES)
+DP_KINDS = tuple(_DP_KINDS)
 
 
 class PlanError(ValueError):
@@ -53,7 +61,6 @@ class PlanError(ValueError):
 
 
 def _is_recompute_plan(value) -> bool:
-    from ..memopt.recompute import RecomputePlan
     return isinstance(value, RecomputePlan)
 
 

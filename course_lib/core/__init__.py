@@ -7,4 +7,5 @@
     files      the one atomic write (write, fsync, rename, fsync the directory)
     costmodel  the alpha-beta link model with sourced presets and a calibration helper ("modeled")
     plots      per-rank timelines, memory by category, traffic bars
+    handles    where each `apply_<technique>` leaves its handle on the model: `attach`, `handle_of(model, technique)`
 """

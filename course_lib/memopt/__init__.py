@@ -14,6 +14,9 @@
 Each module is a short file built on the shared mesh, flat buffers and training loop (`course_lib.train.run`), with
 its `apply_<technique>(model, mesh, ...)`; `course_lib.composer.parallelize.ORDER` says in which order they compose with
 tensor parallelism, pipelines and data parallelism. The formulas checked are in docs/formulas.md.
+
+    memory_fit     which technique fits a model on a device, host and disk, at what modeled step time (07, 14)
+    fp8_compare    our FP8 linear against torchao's, layer by layer, with a bound for any seed and CPU (09)
 """
 from ..distributed.launch import preload_in_ranks
 

@@ -16,6 +16,7 @@ re-exported here (`Stage`, `pipelined_time`):
     t(S) = α + S·β,  n½ = α/β          T_pipelined = Σ_i t_i(c) + (k − 1)·max_i t_i(c),  c = S/k
 
 `from course_lib import transports as T` gives every public name below.
+    wire       the byte-moving halves of each measured path, one function per side (shown in notebook 01)
 """
 from ..core.costmodel import Stage, pipelined_time
 from .exchange import CATEGORY_COLORS, SCENARIOS, Exchange, exchange_stages, model_exchange, plot_exchanges

@@ -179,8 +179,9 @@ def test_bad_moe_settings_are_refused_before_any_rank_waits():
         class Solo:
             world_size, rank = 4, 0
         ExpertParallelMoE(MoE(8, 6), Solo())
-    r = route(torch.zeros(10, 4), 1, 1.0)      # a uniform router: the aux loss at its minimum, 1
-    assert abs(r.aux.item() - 1.0) < 1e-12
+    r = route(torch.zeros(10, 4), 1, 1.0)      # equal logits: P_e = 1/E, so the aux loss reads its minimum, 1,
+    assert abs(r.aux.item() - 1.0) < 1e-12    # though top-1 sends every token to the same expert
+    assert sorted(r.counts.tolist()) == [0, 0, 0, r.capacity] and r.dropped == 10 - r.capacity
 
 
 # ------------------------------------------------------------------------------------------ the GPT under cp × dp

@@ -92,7 +92,8 @@ def _build(mesh, tc, schedule, chunks, M, sp, zero, order):
         wrapped = reducer = apply_dp(model, mesh)
         optimizer = optim.build(model, **optimizer_kwargs(tc))
     else:
-        wrapped, optimizer = apply_zero(model, mesh, zero, **optimizer_kwargs(tc))
+        wrapped = apply_zero(model, mesh, zero)
+        optimizer = optim.build(wrapped, **optimizer_kwargs(tc))
         reducer = optimizer                             # ZeRO-1/2 reduce in the optimizer, once per step
     if pipe is None:
         return model, wrapped, optimizer, functools.partial(forward_backward, sync=reducer), reducer, None

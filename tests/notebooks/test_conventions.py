@@ -226,15 +226,19 @@ def _is_constant(expr, constant: set) -> bool:
     return True
 
 
-def _assert_tests(nb):
+def _cell_trees(nb):
     from IPython.core.inputtransformer2 import TransformerManager
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
         try:
-            tree = ast.parse(TransformerManager().transform_cell(cell.source))
+            yield i, ast.parse(TransformerManager().transform_cell(cell.source))
         except SyntaxError:
             continue
+
+
+def _assert_tests(nb):
+    for i, tree in _cell_trees(nb):
         assigned = {t.id: ast.dump(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
                     for t in node.targets if isinstance(t, ast.Name)}
         for node in ast.walk(tree):
@@ -242,10 +246,72 @@ def _assert_tests(nb):
                 yield i, node, assigned
 
 
-def _tautology(test, constant: set, assigned: dict, knobs: set) -> str | None:
+def _single_assignments(nb) -> dict:
+    """Names assigned exactly once in the whole notebook (outside loops' targets), with the value's AST."""
+    values, params = {}, {id(c) for c in parameters_cells(nb)}
+    for i, tree in _cell_trees(nb):
+        if id(nb.cells[i]) in params:
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension)) else []
+            for t in targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        one = isinstance(node, ast.Assign) and len(node.targets) == 1 and t is node.targets[0] \
+                            and isinstance(t, ast.Name)
+                        values.setdefault(n.id, []).append(node.value if one else None)
+    return {k: v[0] for k, v in values.items() if len(v) == 1 and v[0] is not None}
+
+
+_PASS_THROUGH = {"int", "float", "round", "abs", "min", "max"}
+
+
+def _scaled_copy(value, other, names_ok: set) -> bool:
+    """`value` is `other` times knobs and literals (`BUDGET = int(BUDGET_FRACTION * MODEL_STATES)` for
+    other = MODEL_STATES): a comparison of the two only restates the knob's range."""
+    target = ast.dump(other)
+    if not any(ast.dump(n) == target for n in ast.walk(value)) or ast.dump(value) == target:
+        return False
+    inner = {id(n) for sub in ast.walk(value) if ast.dump(sub) == target for n in ast.walk(sub)}
+    for n in ast.walk(value):
+        if id(n) in inner:
+            continue
+        if isinstance(n, ast.Name) and n.id not in names_ok and n.id not in _PASS_THROUGH:
+            return False
+        if isinstance(n, (ast.Attribute, ast.Subscript, ast.Lambda, ast.ListComp, ast.GeneratorExp)) \
+                and ast.dump(n) != target:
+            return False
+    return True
+
+
+def _imported_names(nb) -> set:
+    return {(a.asname or a.name).split(".")[0] for _, tree in _cell_trees(nb) for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+
+
+_CONTAINERS = {"sorted", "list", "set", "tuple", "len", "dict"}
+
+
+def _reads_only(expr, names: set) -> bool:
+    """`expr` reads nothing but `names` (and what its own comprehensions bind), through no call but containers':
+    a value fixed when the library was written, such as an imported table's first column."""
+    bound = {n.id for c in ast.walk(expr) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)
+             if isinstance(n, ast.Name)}
+    for n in ast.walk(expr):
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name) and n.func.id in _CONTAINERS):
+            return False
+        if isinstance(n, ast.Name) and n.id not in names | bound | _CONTAINERS:
+            return False
+    return True
+
+
+def _tautology(test, constant: set, assigned: dict, knobs: set, single: dict | None = None,
+               imported: set = frozenset()) -> str | None:
     """Why the assert's test cannot fail, or None (a knob's range check is input validation, not a tautology)."""
     if _is_constant(test, constant):
         return "it is arithmetic on constants"
+    single = single or {}
     for part in (test.values if isinstance(test, ast.BoolOp) else [test]):
         if not isinstance(part, ast.Compare):
             continue
@@ -255,6 +321,13 @@ def _tautology(test, constant: set, assigned: dict, knobs: set) -> str | None:
                 and not (isinstance(ends[1], ast.Name) and ends[1].id in knobs):
             return "a fraction between 0 and 1 is no check of its value"
         for op, left, right in zip(part.ops, ends, ends[1:]):
+            if isinstance(op, (ast.Eq, ast.LtE, ast.GtE, ast.Is)) and ast.dump(left) == ast.dump(right):
+                return "it compares an expression with itself"
+            if isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)):
+                for a, b in ((left, right), (right, left)):
+                    if isinstance(a, ast.Name) and a.id in single and \
+                            _scaled_copy(single[a.id], b, knobs | constant):
+                        return f"{a.id} is {ast.unparse(b)} scaled by a knob: the comparison restates the knob's range"
             if not isinstance(op, ast.Eq):
                 continue
             for a, b in ((left, right), (right, left)):
@@ -262,19 +335,48 @@ def _tautology(test, constant: set, assigned: dict, knobs: set) -> str | None:
                     return "it compares a rounded value with a number copied from the output"
                 if isinstance(a, ast.Name) and assigned.get(a.id) == ast.dump(b):
                     return f"it compares {a.id} with the expression it was just assigned"
+                if isinstance(a, (ast.List, ast.Tuple, ast.Set)) and len(a.elts) >= 2 \
+                        and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in a.elts) \
+                        and _reads_only(b, imported | constant):
+                    return "it compares the library's own list with a copy written out in the notebook"
     return None
 
 
 @lectures_and_solutions
 def test_no_assert_that_cannot_fail(path):
     """An assert must be able to fail: not arithmetic on constants (`assert 54 * 24 == 1296`), not a value against its
-    own definition (`x = f(a); assert x == f(a)`), not a rounded figure against a number copied from the output, not
-    `0 <= fraction < 1`. Compare a measurement with a closed form, or print the figure without asserting it."""
+    own definition (`x = f(a); assert x == f(a)`) or against itself, not a rounded figure against a number copied from
+    the output, not `0 <= fraction < 1`, not a list of names written out from the code it checks
+    (`assert names[:3] == ["context parallel", "tensor parallel", …]`), not a value against what it was scaled from by
+    a knob (`BUDGET = int(FRACTION * STATES)`; `assert BUDGET < STATES` restates FRACTION's range). Compare a
+    measurement with a closed form, or print the figure without asserting it."""
     nb = read(path)
     constant, knobs = _constant_names(nb), assigned_names(parameters_cells(nb)[0].source)
+    single, imported = _single_assignments(nb), _imported_names(nb)
     bad = [f"cell {i}: `{ast.unparse(node.test)[:90]}` — {why}" for i, node, assigned in _assert_tests(nb)
-           if (why := _tautology(node.test, constant, assigned, knobs))]
+           if (why := _tautology(node.test, constant, assigned, knobs, single, imported))]
     assert not bad, f"{rel(path)} has asserts that cannot fail:\n  " + "\n  ".join(bad)
+
+
+def test_the_tautology_rules_catch_what_notebooks_12_to_14_once_asserted():
+    """Each rule fires on the pattern it names (as notebooks 13 and 14 once had them) and not on a check of a
+    computed value against a list written out (notebook 07: the problems a probe reports)."""
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("FRACTION = 0.6\nSEED = 0", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("from course_lib.composer.parallelize import ORDER\nSTATES = measure()\n"
+                                  "BUDGET = int(FRACTION * STATES)\npeak = run(BUDGET)\nproblems = probe()"),
+        nbformat.v4.new_code_cell("assert peak <= BUDGET < STATES\n"
+                                  "assert [n for n, _ in ORDER][:2] == ['context parallel', 'tensor parallel']\n"
+                                  "assert peak == peak\n"
+                                  "assert set(problems) == {'too small', 'fills up'}\n"
+                                  "assert peak < STATES")])
+    constant, knobs = _constant_names(nb), assigned_names(parameters_cells(nb)[0].source)
+    single, imported = _single_assignments(nb), _imported_names(nb)
+    found = [_tautology(node.test, constant, assigned, knobs, single, imported) for _, node, assigned in
+             _assert_tests(nb)]
+    assert [bool(w) for w in found] == [True, True, True, False, False], found
+    assert "scaled by a knob" in found[0] and "copy written out" in found[1] and "itself" in found[2]
 
 
 def _show_source_calls(nb):

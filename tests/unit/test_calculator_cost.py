@@ -32,6 +32,25 @@ def test_job_cost_and_break_even():
 def test_a_price_or_wattage_at_or_below_zero_is_refused(field):
     kw = dict(rent_per_gpu_hour=2.0, purchase_per_gpu=25000, lifetime_years=5, watts=700, pue=1.5,
               electricity_per_kwh=0.1)
-    for bad in (0, -1):
-        with pytest.raises(CalculatorError, match=f"Prices.{field} must be > 0"):
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(CalculatorError, match=f"Prices.{field} must be a finite number > 0"):
             Prices(**dict(kw, **{field: bad}))
+
+
+def test_the_whole_systems_capital_and_power_move_the_break_even():
+    """Issue 34: renting vs owning priced on the GPU alone leaves out the server, the network and the storage, and
+    the server's power. Each is a sourced figure (data/published/hardware_and_prices.json)."""
+    gpu, system = Prices.published(), Prices.published(system=True)
+    p = __import__("course_lib.calculator.published", fromlist=["load"]).load("hardware_and_prices")["prices"]
+    assert system.capital_per_gpu == (p["H100 8-GPU server"]["value"] / 8 + p["InfiniBand fabric per GPU"]["value"]
+                                      + p["storage per GPU"]["value"])       # the server's price includes its GPUs
+    assert system.watts == p["H100 8-GPU system power"]["value"] / 8
+    for prices in (gpu, system):
+        margin = prices.rent_per_gpu_hour - prices.watts / 1000 * prices.pue * prices.electricity_per_kwh
+        assert break_even_utilisation(prices) == pytest.approx(
+            prices.capital_per_gpu / (prices.lifetime_years * HOURS_PER_YEAR * margin), rel=1e-12)
+    assert break_even_utilisation(system) > 1.5 * break_even_utilisation(gpu)     # measured 0.24 → 0.43
+    assert all(system.sources[k] for k in ("H100 8-GPU server", "InfiniBand fabric per GPU", "storage per GPU",
+                                           "H100 8-GPU system power"))
+    with pytest.raises(CalculatorError, match="storage_per_gpu must be a finite number ≥ 0"):
+        Prices(2.0, 25000, 5, 700, 1.5, 0.1, storage_per_gpu=float("inf"))

@@ -19,22 +19,39 @@ def test_parameter_count_matches_narayanan_closed_form():
     assert param_count(GPT) - param_count(GPT.replace(tied_embeddings=True)) == V * h
 
 
-def test_model_states_follow_zero_stages():
-    psi, n = 1_000_000, 8
-    for stage, want in ((0, 16 * psi), (1, 4 * psi + 12 * psi // n), (2, 2 * psi + 14 * psi // n), (3, 16 * psi // n)):
+def test_model_states_follow_zero_stages_and_equal_the_techniques_formula():
+    from course_lib.parallel.zero import model_state_bytes
+    from course_lib.calculator.config import RECIPES
+    psi, n = 1_000_003, 8
+    for stage, want in ((0, 16 * psi), (1, 4 * psi + 12 * psi // n), (2, 2 * psi + (2 * psi) // n + 12 * psi // n),
+                        (3, 2 * psi // n + 2 * psi // n + 12 * psi // n)):
         assert sum(M.model_states(psi, n, stage).values()) == want
+    for name, rc in RECIPES.items():             # the calculator's copy is ZeRO's formula, recipe by recipe
+        for stage in range(4):
+            assert M.model_states(psi, n, stage, name) == model_state_bytes(
+                psi, n, stage, param=rc.params, grad=rc.grads, optim=rc.master + rc.optimizer)
+    # experts' states are shared by the expert-data-parallel group only: ZeRO-1 over 8 replicas with ep 4
+    e = M.model_states(psi, n, 1, "bf16", expert_psi=psi, expert_shards=2)
+    assert e["optimizer"] == 12 * psi // 8 + 12 * psi // 2 and e["parameters"] == 4 * psi
+
+
+def test_fp32_gradients_recipe_is_llama3s_and_checkpoint_keeps_master_and_moments():
+    from course_lib.calculator.config import RECIPES
+    rc = RECIPES["bf16+fp32grads"]
+    assert (rc.params, rc.grads, rc.master, rc.optimizer, rc.reduce) == (2, 4, 4, 8, 4)
+    job = Job(batch=512, dp=8, tp=8, zero=1, recompute="full", sequence_parallel=True)
+    a = memory_per_device(GPT, job, NODE)["device"]
+    b = memory_per_device(GPT, job.replace(precision="bf16+fp32grads"), NODE)["device"]
+    assert b["gradients"] == 2 * a["gradients"] and b["optimizer"] == a["optimizer"]
+    assert M.checkpoint_bytes(GPT, job.replace(precision="bf16+fp32grads")) == 14 * param_count(GPT)
 
 
 @pytest.mark.parametrize("schedule, S, M_, v", [("1f1b", 4, 8, 1), ("gpipe", 4, 6, 1), ("interleaved", 4, 8, 2),
-                                                ("interleaved", 2, 4, 3), ("1f1b", 8, 3, 1), ("zb_h1", 4, 8, 1)])
-def test_in_flight_closed_forms_equal_the_schedules(schedule, S, M_, v):
-    want = max(in_flight(make_schedule(schedule, S, M_, v)))
-    M._in_flight.cache_clear()
-    assert M._in_flight.__wrapped__(schedule, S, M_, v) == want
-    # the closed form used beyond the simulation limit gives the same number
-    import course_lib.calculator.memory as mm
-    closed = {"gpipe": M_, "interleaved": min(M_ * v, (v - 1) * S + 2 * (S - 1) + 1)}.get(schedule, min(S, M_))
-    assert closed == want
+                                                ("interleaved", 2, 4, 3), ("1f1b", 8, 3, 1), ("zb_h1", 4, 8, 1),
+                                                ("interleaved", 8, 16, 2), ("1f1b", 16, 32, 1)])
+def test_in_flight_closed_forms_equal_the_schedules_on_every_rank(schedule, S, M_, v):
+    want = in_flight(make_schedule(schedule, S, M_, v))
+    assert [M.in_flight_chunks(schedule, S, M_, v, r) for r in range(S)] == want
 
 
 def test_activations_scale_with_tp_sp_recompute_as_korthikanti_says():
@@ -49,11 +66,12 @@ def test_activations_scale_with_tp_sp_recompute_as_korthikanti_says():
 def test_memory_per_device_by_category_and_fit():
     job = Job(batch=512, dp=8, tp=8, zero=1, recompute="full", sequence_parallel=True)
     mem = memory_per_device(GPT, job, NODE)
-    psi = M.device_params(GPT, job)
-    assert mem["device"]["parameters"] == 2 * psi and mem["device"]["optimizer"] == 12 * psi // 8
+    psi, experts = M.rank_params(GPT, job, 0)
+    assert experts == 0 and mem["params_per_device"] == int(psi) == M.device_params(GPT, job)
+    assert mem["device"]["parameters"] == int(2 * psi) and mem["device"]["optimizer"] == int(12 * psi) // 8
     assert mem["fits"] and mem["total"] == sum(mem["device"].values())
     off = memory_per_device(GPT, job.replace(offload="optimizer"), NODE)
-    assert off["device"]["optimizer"] == 0 and off["host"]["optimizer"] == 12 * psi // 8
+    assert off["device"]["optimizer"] == 0 and off["host"]["optimizer"] == int(12 * psi) // 8
 
 
 def test_checkpoint_is_14_bytes_per_parameter_for_mixed_precision_adam():
@@ -77,7 +95,7 @@ def test_bad_input_says_what_to_change_in_one_line(job, words):
 def test_bad_shapes_and_clusters_are_refused():
     with pytest.raises(CalculatorError, match="not a multiple of n_head"):
         Decoder("x", 2, 100, 3, 10, 8)
-    with pytest.raises(CalculatorError, match="watts must be > 0"):
+    with pytest.raises(CalculatorError, match="watts must be a positive finite number"):
         Cluster("x", 80e9, 1e15, 8, "NVLink 4", "InfiniBand NDR", watts=0)
-    with pytest.raises(CalculatorError, match="device_memory must be a positive number"):
+    with pytest.raises(CalculatorError, match="device_memory must be a positive finite number"):
         Cluster("x", -1, 1e15, 8, "NVLink 4", "InfiniBand NDR")

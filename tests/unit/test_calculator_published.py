@@ -2,6 +2,8 @@
 read): ZeRO SC'20 Table 1, Korthikanti MLSys'23 Tables 2, 4 and 5, Narayanan SC'21 Tables 1 and 2, Llama 3 Table 4.
 Memory is exact (or within the paper's printing); step times use at most three constants, each fitted on one
 named row and never on a row it predicts."""
+from dataclasses import replace
+
 import pytest
 
 from course_lib.calculator import published as P
@@ -17,7 +19,9 @@ def test_zero_table1_all_54_cells_within_one_unit_of_the_last_printed_digit():
     assert not bad, bad
 
 
-def test_korthikanti_table2_six_rows_for_the_four_table3_models_exactly():
+def test_korthikanti_table2_transcription_check_six_rows_for_the_four_table3_models():
+    """A check of the transcription, not a prediction (the terms are the paper's own coefficients): the predictive
+    check of the same activation and recomputation model is Table 4's measured overheads, below."""
     rows = P.activation_table2()
     assert len(rows) == 24
     # integers and power-of-two divisions only (t = 8): the calculator's term-by-term sum equals the published
@@ -57,16 +61,51 @@ def test_at_most_three_constants_each_fitted_on_one_stated_row_never_on_a_predic
     assert all(abs(r["error"]) < 1e-6 for r in fit_rows)          # each constant reproduces its own row
 
 
-def test_throughput_tables_average_error_and_the_rows_that_miss(fitted):
-    _, rows = fitted
-    pred = [r for r in rows if not r["fitted"]]
-    assert len(pred) == 10 - 2 + 4 + 3          # Narayanan T1 (two rows fitted), Korthikanti T5, Llama 3
-    avg = sum(abs(r["error"]) for r in pred) / len(pred)
-    assert avg <= 0.05                                            # goal 5 %; measured 3.9 % (formulas §15.5)
-    # every row within the goal's 10 % (measured: −5.8 … +8.4 %). Without the score maps' memory traffic the two
-    # smallest models of Table 1 missed (1.7B −17.5 %, 3.6B −10.5 %): their s×s softmax and dropout move
-    # a·s² bytes per head against s·h² matmul work, 20 % of their step on A100's 2 TB/s
-    assert all(abs(r["error"]) <= 0.10 for r in pred), [(r["key"], r["error"]) for r in pred]
+@pytest.fixture(scope="module")
+def headline():
+    return P.headline()
+
+
+def test_the_headline_holds_every_published_row_once_each_marked(headline):
+    rows = headline["rows"]
+    keys = [(r["source"], r["key"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 10 + 6 + 4 + 4 + 3 + 1      # N T1, N T2, K T5 ×2, Llama 3, DeepSeek-V3
+    status = {k: r["status"] for k, r in zip(keys, rows)}
+    assert {k for k, v in status.items() if v == "fitted"} == P.fitted_keys()
+    assert {k for k, v in status.items() if v == "equal by construction"} == set(P.BY_CONSTRUCTION)
+    assert {k for k, v in status.items() if v == "post-hoc"} == set(P.POST_HOC)
+    pred = [r for r in rows if r["status"] == "predicted"]
+    assert headline["predicted"] == len(pred) == 28 - 3 - 1 - 2
+    assert headline["average"] == pytest.approx(sum(abs(r["error"]) for r in pred) / len(pred), rel=1e-15)
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["published_s"] - 1, rel=1e-12)
+
+
+def test_equal_by_construction_and_post_hoc_rows_are_what_their_labels_say(headline):
+    by = {(r["source"], r["key"]): r for r in headline["rows"]}
+    z768, z1536 = by["Narayanan SC'21 Table 2", "ZeRO-3 768"], by["Narayanan SC'21 Table 2", "ZeRO-3 1536"]
+    assert z768["published_s"] == z1536["published_s"]                 # the same printed 44 TFLOP/s-derived step
+    assert z768["predicted_s"] == pytest.approx(z1536["predicted_s"], rel=0.002)
+    assert z768["parts"]["dp"] > z768["parts"]["compute"] and z1536["parts"]["dp"] > z1536["parts"]["compute"]
+    for key in P.POST_HOC:                  # the rows missed by more than the goal before the term was added
+        r = by[key]
+        blind = P.step_time(r["model"], r["job"], replace(r["cluster"], memory_bandwidth=None),
+                            headline["efficiency"])["total"]
+        assert blind / r["published_s"] - 1 < -0.10 and f"{blind / r['published_s'] - 1:+.1%}" in r["why"]
+
+
+def test_the_rows_beyond_ten_percent_are_exactly_those_with_a_stated_reason(headline):
+    """The goal (issue 34) is ≤ 5 % on average and every predicted row ≤ 10 %; measured 6.8 % over 22 rows, 18
+    within 10 % — not met, and the rows that miss stay with their reason. This fails both ways: a new miss without a
+    reason, or a stated miss that no longer misses."""
+    misses = {(r["source"], r["key"]) for r in headline["rows"] if r["status"] == "predicted"
+              and abs(r["error"]) > 0.10}
+    assert misses == set(P.MISS_REASONS)
+    assert all(r["why"] for r in headline["rows"] if (r["source"], r["key"]) in misses)
+    assert headline["within_10"] == headline["predicted"] - len(misses)
+    r = next(r for r in headline["rows"] if r["key"] == "1T" and "full" not in r["source"])
+    t = r["stage_times"]                    # the reason's numbers are the row's own
+    assert f"{t[-1] / t[0] - 1:.0%} slower" in r["why"] and f"all {r['job'].microbatches} micro-batches" in r["why"]
 
 
 def test_the_score_maps_memory_traffic_is_what_the_small_models_missed(fitted):

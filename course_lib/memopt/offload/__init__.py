@@ -26,6 +26,14 @@ disk time is measured. Checked against (docs/formulas.md §6):
     ZeRO-Offload model states on the device 2Ψ  (bf16 parameters; each gradient leaves as autograd produces it)
     ZeRO-Offload link bytes per step        2Ψ down (bf16 gradients) + 2Ψ up (bf16 parameters) (§6.1)
     SSD tier bytes per step                 12Ψ read + 12Ψ written  (fp32 master, m, v) (§6.6)
+
+Notebook 14's offload systems, on the same pieces:
+
+    mobius          Mobius (Feng et al., ASPLOS 2023): stages in host memory take turns on the device, the next one
+                    prefetched while one computes; its executor, timeline and partition search
+    mobius_cluster  Mobius on a modeled commodity server: GPUs behind shared PCIe switches (modeled)
+    flashneuron     FlashNeuron (Bae et al., FAST'21): chosen layers' activations to an NVMe SSD and back
+    decision        the decision picture: notebook 07's techniques with Mobius, vDNN and FlashNeuron (modeled)
 """
 from ..memory_fit import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
 from ...optim import adamw_  # noqa: F401  (the one AdamW step; re-exported: notebook 07 shows it here)

@@ -279,11 +279,11 @@ class Selection:
 
 def select_offload(block_bytes, forward_s, backward_s, *, write_bw: float, read_bw: float, room: float,
                    ratio: float = 1.0) -> Selection:
-    """FlashNeuron's offline scheduler, on measured inputs: offload blocks in forward order (the first ones come back
-    last, so their reads have the most backward to hide under) until the kept activations fit in `room` bytes;
-    then model the disk: block i's write (ratio·a_i/write_bw) queues from the end of its forward and must end by the
-    end of the forward pass; reads go in reverse order from the start of backward, block i's before its backward.
-    A block whose write would be exposed is not offloaded if the plan fits without it."""
+    """FlashNeuron's offline scheduler: offload blocks in forward order (the first ones come back last, so their reads
+    have the most backward to hide under) until the kept activations fit in `room` bytes — the choice is by bytes
+    alone. Then price it on the measured times and disk: block i's write (ratio·a_i/write_bw) queues from the end of
+    its forward and must end by the end of the forward pass; reads go in reverse order from the start of backward,
+    block i's before its backward; what does not hide is `write_exposed` / `read_exposed`."""
     n = len(block_bytes)
     chosen, kept = [], sum(block_bytes)
     for i in range(n):

@@ -142,20 +142,38 @@ def zero3_offload_time(param_bytes: float, compute_s: float, n_micro: int, topo:
 
 def plot_mobius_timeline(tl, *, ax=None, title: str = "Mobius step: measured compute, modeled PCIe"):
     """Gantt rows of a `MobiusTimeline`: compute, h2d (stages and boundaries in), d2h (boundaries and gradients
-    out), in milliseconds on one clock."""
+    out), in milliseconds on one clock, with a legend of what each colour moves or runs. A compute bar is labelled
+    only where its label fits inside it (a short stage's would spill over its neighbours)."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.6))
+        _, ax = plt.subplots(figsize=(10, 2.8), layout="constrained")
     rows = {"compute": 2, "h2d": 1, "d2h": 0}
-    colors = {"fwd": "#4C72B0", "bwd": "#DD8452", "stage": "#55A868", "boundary": "#8172B3", "grads": "#C44E52"}
+    kinds = {"fwd": ("#4C72B0", "forward"), "bwd": ("#DD8452", "recompute + backward"),
+             "stage": ("#55A868", "stage parameters in"), "boundary": ("#8172B3", "boundary activations"),
+             "grads": ("#C44E52", "gradients out")}
+    span = max([t1 for _, t1, _ in tl.compute] + [t1 for _, _, t1, _, _ in tl.transfers] + [1e-12]) * 1e3
+    fig = ax.figure
+    width_px = ax.get_window_extent().width or fig.get_figwidth() * fig.dpi
+    used = set()
     for t0, t1, label in tl.compute:
-        ax.barh(rows["compute"], (t1 - t0) * 1e3, left=t0 * 1e3, color=colors[label.split()[0]], edgecolor="white")
-        ax.text((t0 + t1) / 2 * 1e3, rows["compute"], label, ha="center", va="center", fontsize=7, color="white")
+        kind = label.split()[0]
+        used.add(kind)
+        ax.barh(rows["compute"], (t1 - t0) * 1e3, left=t0 * 1e3, color=kinds[kind][0], edgecolor="white")
+        if (t1 - t0) * 1e3 / span * width_px > 7 * len(label):      # about 7 px per character at fontsize 7
+            ax.text((t0 + t1) / 2 * 1e3, rows["compute"], label, ha="center", va="center", fontsize=7,
+                    color="white", clip_on=True)
     for lane, t0, t1, _n, label in tl.transfers:
-        ax.barh(rows[lane], (t1 - t0) * 1e3, left=t0 * 1e3, color=colors[label.split()[0]], edgecolor="white")
+        kind = label.split()[0]
+        used.add(kind)
+        ax.barh(rows[lane], (t1 - t0) * 1e3, left=t0 * 1e3, color=kinds[kind][0], edgecolor="white")
     ax.set_yticks(list(rows.values()), list(rows))
+    ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time (ms; compute measured, link modeled)")
-    ax.set_title(f"{title} — {tl.link.name}: step {tl.total * 1e3:.2f} ms, waiting {tl.exposed * 1e3:.2f} ms")
+    ax.legend(handles=[Patch(color=c, label=name) for k, (c, name) in kinds.items() if k in used], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    ax.set_title(f"{title} — {tl.link.name}: step {tl.total * 1e3:.2f} ms, waiting {tl.exposed * 1e3:.2f} ms",
+                 fontsize=9)
     return ax
 
 

@@ -31,6 +31,9 @@ dV take one more hop home. The hooks are public: `rotate` (one hop, a `Transfer`
 
 Compared with all-gathering K/V (Llama 3's choice: one all-gather of K and V, 2·(cp−1)·block bytes forward, a
 reduce-scatter of dK, dV backward), the ring sends as much but holds one remote block at a time instead of all cp.
+
+The package's one other module, `plots`, draws notebook 12's pictures (ring steps, router counts, bytes and memory per
+rank of context and expert parallelism).
 """
 from __future__ import annotations
 

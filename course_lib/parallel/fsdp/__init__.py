@@ -40,6 +40,11 @@ element of the compute dtype; docs/formulas.md §2):
                                      + reduce-scatter (N−1)/N·eP = 3(N−1)/N·eP = 1.5 × DDP's 2(N−1)/N·eΨ
     model states per rank            parameters 4P/N, gradients 4P/N, optimizer 8·Ψ_r + 4·n (fp32 AdamW over this
                                      rank's n local shards holding Ψ_r elements, Σ_r Ψ_r = Ψ)
+
+This module is the wrapper (`FSDP`, `apply_fsdp`); its two kinds of parameter group live beside it:
+
+    shard       sharded parameters: one unit's parameters of one kind, each sharded along dim 0, gathered and reduced
+    replicate   replicated parameters: left whole on every rank, their gradients all-reduced (`norms_and_biases`)
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ from ...distributed.flat import broadcast_tensors
 from ...distributed.mesh import axis_comm
 from ...memory import saved_tensors_hooks_over
 from .replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
-from .replicate import norms_and_biases  # noqa: F401  (re-exported: `FSDP(..., replicate=norms_and_biases)`)
+from .replicate import REPLICATION_RULES, norms_and_biases  # noqa: F401  (re-exported: `FSDP(…, replicate=…)`)
 from .shard import ShardedGroup, Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
 
 

@@ -34,6 +34,9 @@ def norms_and_biases(name: str, param: nn.Parameter) -> bool:
     return param.dim() <= 1
 
 
+REPLICATION_RULES = {"norms+biases": norms_and_biases}     # the rules a plan names (ParallelPlan.fsdp_replicate)
+
+
 def replication_rule(replicate=None, min_shard_numel: int | None = None):
     """One predicate (name, param) -> bool from FSDP's `replicate=` (a predicate, or a collection of parameter
     names) and `min_shard_numel=` (replicate every parameter with fewer elements); None when nothing is replicated."""

@@ -233,19 +233,23 @@ def _check_complete(s: Schedule) -> None:
                                         f"stage (rank {s.rank_of(stage)})")
 
 
-def simulate(s: Schedule, costs=None, comm: float = 0) -> list[list[tuple[Op, float, float]]]:
+def simulate(s: Schedule, costs=None, comm: float = 0, stage_weights=None) -> list[list[tuple[Op, float, float]]]:
     """Time a schedule: each rank runs its ops in order, an op starting when the rank is free and its inputs have
     arrived (`comm` time units after the op that produced them on another rank). Costs are per device stage
     (`COSTS` by default, or e.g. measured means {"F": …, "B": …, "W": …}); an op on one of v chunks costs 1/v of it,
-    and in a B/W-split schedule B costs B − W. Integer costs are timed in exact fractions, so a bubble computed
-    from them equals its closed form exactly. Returns per rank [(op, start, end)]; raises ScheduleError naming
-    the ops every rank is stuck on if the schedule deadlocks."""
+    and in a B/W-split schedule B costs B − W. `stage_weights` (one per virtual stage, default all 1) scales each
+    stage's ops: unequal stages, e.g. layers per stage ÷ the mean. Integer costs are timed in exact fractions, so
+    a bubble computed from them equals its closed form exactly. Returns per rank [(op, start, end)]; raises
+    ScheduleError naming the ops every rank is stuck on if the schedule deadlocks."""
     costs = {k: Fraction(c) if isinstance(c, (int, Fraction)) else float(c) for k, c in dict(COSTS, **(costs or {})).items()}
     split, last = s.split_backward, s.num_virtual_stages - 1
+    weights = [1] * s.num_virtual_stages if stage_weights is None else list(stage_weights)
+    if len(weights) != s.num_virtual_stages:
+        raise ScheduleError(f"stage_weights has {len(weights)} entries for {s.num_virtual_stages} virtual stages")
 
     def cost(op: Op) -> float:
         c = costs["B"] - costs["W"] if (op.kind == "B" and split) else costs[op.kind]
-        return c / s.chunks
+        return c * weights[op.stage] / s.chunks
 
     done: dict[Op, float] = {}
     pos = [0] * s.num_stages

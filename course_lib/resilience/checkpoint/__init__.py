@@ -24,6 +24,12 @@ skipped is reported with what was wrong. An intact checkpoint of another model f
 With several ranks, each writes its own pair of files; rank 0 writes meta.json and the manifest once every rank
 has written (one all-reduce says whether all succeeded), so saving on N ranks and loading on M (resharding) both
 work: see `state.py`. The cost of a save is δ in Young's interval √(2δM) (docs/formulas.md §8.3).
+
+The package:
+
+    fileformat  the format's names: the format tag, step directories, the errors a load raises, the sha256 digest
+    save        snapshot, persist and publish a checkpoint
+    load        verify, find the newest that passes, and fill this rank's pieces (N ranks saved, M load)
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ and the cache tiers in front of the store.
     cache/     tier 1: a byte-budgeted local-disk cache (LRU, MRU, pinning) and its analytic hit rates;
                tier 2: a cache spread over the ranks (rendezvous hashing), misses served by the owner peer
     capacity   will the GPUs starve? tokens/s consumed vs delivered per tier, and which tier a dataset needs
+    workers    the rank workers of notebook 11, its lab checks and tests: streaming, and the cached epochs
 
 Formulas: docs/formulas.md §10 (object storage: §10.2 throughput vs concurrency, §10.3 hit rates, §10.4 hashing).
 """

@@ -46,58 +46,54 @@ __version__ = "0.1.0"
 COURSE_KERNEL = "llm-systems-course"
 
 
-def source_of(obj, *, lines=None, only=None) -> str:
-    """The source `show_source` renders: all of `obj`, or the part that teaches.
+def source_of(obj, *, only=None) -> str:
+    """The source `show_source` renders: all of `obj`, or, for a class, the methods that teach.
 
-    only:  for a class, the method names to show (a str or a list): the class line and docstring, then those
-           methods; a comment names the ones left out.
-    lines: (first, last), 1-based lines of the object's source to keep, or a list of such ranges in order; a
-           comment marks what was cut.
+    only:  the method names to show (a str or a list): the class's header (decorators, class line, docstring and
+           what it declares before its first method, such as a dataclass's fields), then those methods in the order
+           given; a comment names the methods left out. Parts are chosen by name, never by line number, so an edit
+           elsewhere in the file cannot change what a lecture shows.
     """
     import inspect
     import textwrap
-    if only is not None:
-        if not inspect.isclass(obj):
-            raise TypeError(f"show_source(only=...) needs a class, got {obj!r}")
-        names = [only] if isinstance(only, str) else list(only)
-        missing = [n for n in names if n not in vars(obj)]
-        if missing:
-            raise ValueError(f"{obj.__qualname__} defines no {', '.join(missing)}; it defines "
-                             f"{', '.join(n for n, v in vars(obj).items() if inspect.isfunction(v))}")
-        head = inspect.getsource(obj).splitlines()
-        doc = inspect.getdoc(obj)
-        shown = [head[0]] + ([textwrap.indent(f'"""{doc}"""', "    ")] if doc else [])
-        for n in names:
-            member = vars(obj)[n]
-            member = getattr(member, "fget", None) or getattr(member, "__func__", member)
-            shown += ["", textwrap.indent(textwrap.dedent(inspect.getsource(member)).rstrip(), "    ")]
-        rest = [n for n, v in vars(obj).items() if inspect.isfunction(v) and n not in names]
-        if rest:
-            shown += ["", f"    # … and {', '.join(rest)}"]
-        return "\n".join(shown) + "\n"
-    src = inspect.getsource(obj)
-    if lines is None:
-        return src
-    ranges = [tuple(lines)] if isinstance(lines[0], int) else [tuple(r) for r in lines]
-    all_lines = src.splitlines()
-    shown, end = [], 0                      # `end`: the last line shown so far
-    for first, last in ranges:
-        if not end < first <= last <= len(all_lines):
-            raise ValueError(f"lines={lines!r}: the source of {getattr(obj, '__qualname__', obj)} has lines 1 to "
-                             f"{len(all_lines)}; give ranges (first, last) in order, not overlapping")
-        if first > end + 1:
-            shown.append(f"# … {first - end - 1} line(s) {'above' if end == 0 else 'left out'}")
-        shown += all_lines[first - 1:last]
-        end = last
-    if end < len(all_lines):
-        shown.append(f"# … {len(all_lines) - end} line(s) below")
+    if only is None:
+        return inspect.getsource(obj)
+    if not inspect.isclass(obj):
+        raise TypeError(f"show_source(only=...) needs a class, got {obj!r}")
+    names = [only] if isinstance(only, str) else list(only)
+    file = inspect.getsourcefile(obj)
+    methods = {n: v for n, v in vars(obj).items()       # written in the class (not made by @dataclass)
+               if (inspect.isfunction(v) or isinstance(v, (property, classmethod, staticmethod)))
+               and getattr(getattr(_function_of(v), "__code__", None), "co_filename", None) == file}
+    missing = [n for n in names if n not in methods]
+    if missing:
+        raise ValueError(f"{obj.__qualname__} defines no method {', '.join(missing)}; it defines "
+                         f"{', '.join(methods)}")
+    lines = inspect.getsource(obj).splitlines()
+    body = next(i for i, line in enumerate(lines) if line.lstrip().startswith("class ")) + 1
+    first_method = min((_function_of(m).__code__.co_firstlineno for m in methods.values()), default=None)
+    header_end = len(lines) if first_method is None else first_method - inspect.getsourcelines(obj)[1]
+    while header_end > body and (not lines[header_end - 1].strip() or lines[header_end - 1].lstrip().startswith("@")):
+        header_end -= 1                        # the first method's decorators and the blank lines before it
+    shown = lines[:header_end]
+    for n in names:
+        shown += ["", textwrap.indent(textwrap.dedent(inspect.getsource(_function_of(methods[n]))).rstrip(), "    ")]
+    rest = [n for n in methods if n not in names]
+    if rest:
+        shown += ["", f"    # … and {', '.join(rest)}"]
     return "\n".join(shown) + "\n"
 
 
-def show_source(obj, *, title: str | None = None, lines=None, only=None):
-    """Render the real source of `obj` (so prose cannot drift from what runs); `only`/`lines` pick the part that
-    teaches (see `source_of`)."""
-    src = source_of(obj, lines=lines, only=only)
+def _function_of(member):
+    """The function behind a method, property (its getter), classmethod or staticmethod, under its decorators."""
+    import inspect
+    return inspect.unwrap(getattr(member, "fget", None) or getattr(member, "__func__", member))
+
+
+def show_source(obj, *, title: str | None = None, only=None):
+    """Render the real source of `obj` (so prose cannot drift from what runs); `only` picks a class's methods that
+    teach (see `source_of`)."""
+    src = source_of(obj, only=only)
     try:
         from IPython.display import Code, display
         get_ipython  # noqa: F821  (defined only inside IPython)

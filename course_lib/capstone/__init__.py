@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed.mesh import Mesh
-from ..memopt.recompute.costs import activation_peak
+from ..memopt.recompute.measured import activation_peak
 from ..core.model import GPT, GPTConfig, get_config
 from ..composer.plan import ParallelPlan
 from ..composer.parallelize import parallelize

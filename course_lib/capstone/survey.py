@@ -93,7 +93,8 @@ def activation_formula(job: Job, coords: dict) -> "tuple[int | None, str]":
     b = batch / (dp · micro-batches) sequences at a time (tp and cp ranks share theirs)."""
     from ..memopt.offload.activations import offloaded_activation_peak
     from ..memopt.recompute import make_plan
-    from ..memopt.recompute.costs import formula_costs, pipeline_peaks, plan_peak
+    from ..memopt.recompute.costs import formula_costs, plan_peak
+    from ..memopt.recompute.pipeline import pipeline_peaks
     from ..core.model import activation_bytes
     from ..parallel.context import cp_activation_bytes
     from ..parallel.pipeline.executor import plan_pipeline

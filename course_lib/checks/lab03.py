@@ -307,7 +307,7 @@ def check_token_weighted(cls, *, world_size: int = 3, preset: str = "nano", step
             d, s = _max_diff(mine, ref_grads), _ratio(mine, ref_grads)
             same_as_plain = _max_diff(mine, res["plain"]["grads"]) < GRAD_TOL
             hint = ("your gradient is exactly plain averaging's: the weights n_r / n never reached it (scale each "
-                    "packed bucket by n_r / n in _reduce_bucket)" if same_as_plain else
+                    "packed bucket by n_r / n in reduce_bucket)" if same_as_plain else
                     f"your gradient is {s:.3f}× the reference's, i.e. 1/{world_size} of it: after weighting by "
                     f"n_r / n the ranks' shares must be SUMMED (op 'sum'), not averaged" if _near(s, 1 / world_size)
                     else f"your gradient is {s:.3f}× the reference's, i.e. {world_size}× too large: the weight is "

@@ -25,8 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..core.data import ShardedBatches
 from ..memopt.recompute import Plan, Unit, apply_recompute, checkpoint, make_plan, torch_policy
-from ..memopt.recompute.costs import (BlockCost, ChainCosts, FlopProbe, activation_peak, formula_costs, plan_extra,
-                                     plan_peak)
+from ..memopt.recompute.costs import BlockCost, ChainCosts, formula_costs, plan_extra, plan_peak
+from ..memopt.recompute.measured import FlopProbe, activation_peak
 from ..memory import MemoryTracker
 from ..core.model import GPT, block_activation_bytes, get_config
 from .. import optim

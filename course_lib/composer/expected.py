@@ -3,7 +3,7 @@ sum `parallelize` checks a composed run against and the capstone's calculator pr
 
     pp     `pipeline.boundary_bytes` of the rank's stages (activations forward, gradients backward)
     tp     `tensor.tp_bytes_per_step` of the blocks, embedding and head the rank holds (`PipelineLayout.parts`),
-           + M × `recompute_plan.rerun_tp_bytes` when recomputation replays tensor-parallel blocks
+           + M × `recompute.tensor_parallel.rerun_tp_bytes` when recomputation replays tensor-parallel blocks
     cp     the rank's blocks × M × `context.ring_bytes_per_layer` (ring attention's K/V rotation, forward and
            backward) at width d/tp (the heads this tp rank holds), + M × the ring's forward again in every
            block recomputation replays (full or selective: the attention core reruns); a pipeline boundary then
@@ -28,7 +28,7 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
     `PipelineLayout` (pp > 1), `recompute_plan` the `RecomputePlan` of this rank's blocks (recompute set),
     `reducer` whatever reduces the gradients over dp × cp (or None); `loss_elem` the element size of the logits the
     vocab-parallel loss reduces (None: `elem`; 4 under mixed precision, which upcasts the logits)."""
-    from ..memopt.recompute.costs import rerun_tp_bytes
+    from ..memopt.recompute.tensor_parallel import rerun_tp_bytes
     from ..parallel.context import ring_bytes_per_layer
     from ..parallel.pipeline.executor import boundary_bytes
     from ..parallel.tensor import tp_bytes_per_step

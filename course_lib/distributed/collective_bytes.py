@@ -23,7 +23,7 @@ def _bounds(n: int, p: int) -> list[int]:
     return out
 
 
-def _rhd_schedule(v: int, pp: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+def rhd_schedule(v: int, pp: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
     """Recursive halving for virtual rank v of pp (a power of two): per step (partner, kept blocks, given blocks).
 
     Blocks are the pp chunks of tensor_split; after the last step v keeps block v alone. The doubling phase
@@ -81,7 +81,7 @@ def rhd_all_reduce_bytes(n: int, p: int, rank: int, elem: int) -> int:
         return n * elem
     v = rank // 2 if rank < 2 * extra else rank - extra
     b = _bounds(n, pp)
-    core = sum(b[g1] - b[g0] + b[k1] - b[k0] for _, (k0, k1), (g0, g1) in _rhd_schedule(v, pp))
+    core = sum(b[g1] - b[g0] + b[k1] - b[k0] for _, (k0, k1), (g0, g1) in rhd_schedule(v, pp))
     return (core + (n if rank < 2 * extra else 0)) * elem
 
 

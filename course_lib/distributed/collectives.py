@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .collective_bytes import (ALL_REDUCE_BYTES, _bounds, _rhd_schedule, all_reduce_steps, chunk_sizes,  # noqa: F401
+from .collective_bytes import (ALL_REDUCE_BYTES, _bounds, rhd_schedule, all_reduce_steps, chunk_sizes,  # noqa: F401
                                naive_all_reduce_bytes, rhd_all_reduce_bytes, ring_all_gather_bytes,
                                ring_all_reduce_bytes, ring_reduce_scatter_bytes, tree_all_reduce_bytes,
                                tree_broadcast_bytes, tree_reduce_bytes)
@@ -283,7 +283,7 @@ def all_reduce_rhd(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *,
         return 2 * vr + 1 if vr < extra else vr + extra
 
     b = _bounds(flat.numel(), pp)
-    steps = _rhd_schedule(v, pp)
+    steps = rhd_schedule(v, pp)
     for partner, (k0, k1), (g0, g1) in steps:   # halving: give away half of what I hold, fold in the other half
         incoming = buf[:b[k1] - b[k0]]
         comm.sendrecv(flat[b[g0]:b[g1]], real(partner), incoming, real(partner), tag=tag)

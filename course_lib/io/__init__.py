@@ -7,9 +7,10 @@ and the cache tiers in front of the store.
     shards     the corpus as fixed-size token shards with an index and a sha256 per shard; upload and verify
     stream     StreamingBatches: rank/world shard partition, shuffle buffer, prefetching threads, resumable
                position; `get(step, micro)` like `ShardedBatches`, so `train.run` trains on it
-    cache      tier 1: a byte-budgeted local-disk cache (LRU, MRU, pinning) and its analytic hit rates;
+    cache/     tier 1: a byte-budgeted local-disk cache (LRU, MRU, pinning) and its analytic hit rates;
                tier 2: a cache spread over the ranks (rendezvous hashing), misses served by the owner peer
     capacity   will the GPUs starve? tokens/s consumed vs delivered per tier, and which tier a dataset needs
+    workers    the rank workers of notebook 11, its lab checks and tests: streaming, and the cached epochs
 
 Formulas: docs/formulas.md §10 (object storage: §10.2 throughput vs concurrency, §10.3 hit rates, §10.4 hashing).
 """

@@ -5,6 +5,7 @@ calculator). Nothing here runs a model: every number is a formula of docs/formul
     zero_offload_step_time   ZeRO-Offload's modeled step, with and without the one-step delayed update (§6.1)
     Machine                  one accelerator, its host and disk, the links between them (memory, FLOP/s, links)
     gpt_shape                a GPT of Ψ parameters with GPT-3's aspect ratio
+    fit_terms                the terms fit_options combines: activation bytes, compute, CPU Adam, ZeRO-3, SSD
     fit_options              which technique fits Ψ on a machine, what it keeps where, its modeled step time
     largest_fitting          the largest Ψ a technique fits (bisection on fit_options)
 
@@ -71,6 +72,35 @@ def gpt_shape(psi: float) -> dict:
     return {"d_model": d, "n_layer": max(1, d // 128), "n_head": max(1, d // 128)}
 
 
+@dataclass(frozen=True)
+class FitTerms:
+    """The terms `fit_options` combines for a model of Ψ parameters on a machine (the formulas are there)."""
+    acts: dict            # activation bytes on the device: {recompute?: bytes}
+    compute: dict         # compute seconds per optimizer step: {recompute?: seconds}
+    adam: float           # seconds of the CPU Adam step over Ψ
+    zero3: int            # ZeRO-3 model-state bytes per rank
+    comm: float           # ZeRO-3 network seconds per step
+    disk: float           # SSD seconds per step: 12Ψ read and 12Ψ written
+
+
+def fit_terms(psi: float, m: "Machine") -> FitTerms:
+    """Activation bytes, compute seconds, the CPU Adam step, ZeRO-3's bytes and traffic, the SSD's seconds."""
+    shape = gpt_shape(psi)
+    L, h, a = shape["n_layer"], shape["d_model"], shape["n_head"]
+    s, b = m.seq_len, m.micro_batch_size
+    layer = paper_activation_bytes(s, b, h, a)                 # sbh(34 + 5as/h), Korthikanti et al. Table 2
+    acts = {False: L * layer, True: L * 2 * s * b * h + layer}
+    tokens = s * m.sequences_per_step
+    compute = {False: tokens * (6 * psi + 12 * L * s * h) / m.device_flops}
+    compute[True] = compute[False] * 4 / 3
+    adam = psi / (m.adam_per_core * m.host_cores)
+    N = m.zero_ranks
+    zero3 = sum(model_state_bytes(int(psi), N, 3, param=2, grad=2, optim=12).values())
+    comm = get_link(m.network).time(3 * (N - 1) / N * 2 * psi)
+    disk = 12 * psi / m.disk_read + 12 * psi / m.disk_write
+    return FitTerms(acts, compute, adam, zero3, comm, disk)
+
+
 def fit_options(psi: float, m: Machine = Machine()) -> dict:
     """For a model of Ψ parameters on machine `m`: which technique fits and its modeled seconds per step.
 
@@ -86,33 +116,22 @@ def fit_options(psi: float, m: Machine = Machine()) -> dict:
     A technique whose activations do not fit adds full recomputation (and its 4/3) if that makes it fit. Compute is
     (6Ψ + 12·L·T·d) FLOPs per token ÷ device_flops (§5.3), over `sequences_per_step` sequences of which
     `micro_batch_size` are alive at once (gradient accumulation: the optimizer's costs are paid once per step)."""
-    shape = gpt_shape(psi)
-    L, h, a = shape["n_layer"], shape["d_model"], shape["n_head"]
-    s, b = m.seq_len, m.micro_batch_size
-    layer = paper_activation_bytes(s, b, h, a)                 # sbh(34 + 5as/h), Korthikanti et al. Table 2
-    acts = {False: L * layer, True: L * 2 * s * b * h + layer}
-    tokens = s * m.sequences_per_step
-    compute = {False: tokens * (6 * psi + 12 * L * s * h) / m.device_flops}
-    compute[True] = compute[False] * 4 / 3
-    adam = psi / (m.adam_per_core * m.host_cores)
+    t = fit_terms(psi, m)
     N = m.zero_ranks
-    zero3 = sum(model_state_bytes(int(psi), N, 3, param=2, grad=2, optim=12).values())
-    comm = get_link(m.network).time(3 * (N - 1) / N * 2 * psi)
-    disk = 12 * psi / m.disk_read + 12 * psi / m.disk_write
 
     def offload(cpu, rc):
-        t = compute[rc]
-        return zero_offload_step_time(t / 3, 2 * t / 3, cpu, int(psi), link=m.pcie, dpu=True)["total"]
+        compute = t.compute[rc]
+        return zero_offload_step_time(compute / 3, 2 * compute / 3, cpu, int(psi), link=m.pcie, dpu=True)["total"]
 
     options = {
-        "none": (lambda rc: 16 * psi + acts[rc], lambda rc: 0, lambda rc: 0, lambda rc: compute[rc], False),
-        "recompute": (lambda rc: 16 * psi + acts[rc], lambda rc: 0, lambda rc: 0, lambda rc: compute[rc], True),
-        f"ZeRO-3 ×{N}": (lambda rc: zero3 + acts[rc], lambda rc: 0, lambda rc: 0,
-                         lambda rc: max(compute[rc], comm), None),
-        "offload: host": (lambda rc: 2 * psi + acts[rc], lambda rc: 16 * psi, lambda rc: 0,
-                          lambda rc: offload(adam, rc), None),
-        "offload: SSD": (lambda rc: 2 * psi + acts[rc], lambda rc: 4 * psi, lambda rc: 12 * psi,
-                         lambda rc: offload(max(adam, disk), rc), None),
+        "none": (lambda rc: 16 * psi + t.acts[rc], lambda rc: 0, lambda rc: 0, lambda rc: t.compute[rc], False),
+        "recompute": (lambda rc: 16 * psi + t.acts[rc], lambda rc: 0, lambda rc: 0, lambda rc: t.compute[rc], True),
+        f"ZeRO-3 ×{N}": (lambda rc: t.zero3 + t.acts[rc], lambda rc: 0, lambda rc: 0,
+                         lambda rc: max(t.compute[rc], t.comm), None),
+        "offload: host": (lambda rc: 2 * psi + t.acts[rc], lambda rc: 16 * psi, lambda rc: 0,
+                          lambda rc: offload(t.adam, rc), None),
+        "offload: SSD": (lambda rc: 2 * psi + t.acts[rc], lambda rc: 4 * psi, lambda rc: 12 * psi,
+                         lambda rc: offload(max(t.adam, t.disk), rc), None),
     }
     out = {}
     for name, (dev, host, dsk, secs, forced) in options.items():
@@ -135,4 +154,5 @@ def largest_fitting(option: str, m: Machine = Machine(), lo: float = 1e6, hi: fl
     return lo
 
 
-__all__ = ["DEFAULT_LINK", "zero_offload_step_time", "Machine", "gpt_shape", "fit_options", "largest_fitting"]
+__all__ = ["DEFAULT_LINK", "zero_offload_step_time", "Machine", "gpt_shape", "FitTerms", "fit_terms", "fit_options",
+           "largest_fitting"]

@@ -239,7 +239,7 @@ class DataParallelBucket(DataParallelNaive):
     def bucket_numels(self) -> list[int]:
         return [b.numel for b in self.buckets]
 
-    def _reduce_bucket(self, bucket: Bucket) -> None:
+    def reduce_bucket(self, bucket: Bucket) -> None:
         """All-reduce one packed bucket in place (a subclass can change how a bucket is reduced)."""
         self._all_reduce(bucket.buffer)
 
@@ -249,7 +249,7 @@ class DataParallelBucket(DataParallelNaive):
         for b in self.buckets:
             with self.comm.compute(f"pack {b.index}"):
                 b.pack()
-            self._reduce_bucket(b)
+            self.reduce_bucket(b)
             b.unpack()
 
 
@@ -303,7 +303,7 @@ class DataParallelOverlap(DataParallelBucket):
         for p in bucket.params:     # the bucket holds them now: free autograd's copies during backward, not after
             p.grad = None
         # carry_tracking: a memory accountant active here also counts what the communication thread allocates
-        self._inflight.append(self._executor.submit(carry_tracking(self._reduce_bucket), bucket))
+        self._inflight.append(self._executor.submit(carry_tracking(self.reduce_bucket), bucket))
         self._next += 1
 
     def finish_gradient_synchronization(self) -> None:

@@ -137,7 +137,7 @@ class ShardedOptimizer:
             for p in b.params:
                 p.data = b.layout.view(b.flat, p)   # the model now reads (and all-gather writes) the bucket itself
                 self._bucket_of[p] = b
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in params]
         self.optimizer = optimizer_cls([b.shard for b in self.buckets], **optimizer_kwargs)
 
     # ---------------------------------------------------------------- sizes the formulas need
@@ -163,7 +163,7 @@ class ShardedOptimizer:
                                    self.buckets[0].flat.element_size())
 
     # ---------------------------------------------------------------- gradients
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def on_grad(self, p: torch.Tensor) -> None:
         b = self._bucket_of[p]
         sync = self.require_backward_grad_sync
         if b.grad is None:    # stage 2: a transient send buffer of the reduce-scatter, unless it accumulates
@@ -175,7 +175,7 @@ class ShardedOptimizer:
             return
         b.arrived += 1
         if self.stage == 2 and b.arrived == len(b.params):
-            self._reduce(b)
+            self.reduce_bucket(b)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -194,9 +194,9 @@ class ShardedOptimizer:
         if self.require_backward_grad_sync and self.stage == 2:
             for b in self.buckets:
                 if b.grad is not None:
-                    self._reduce(b)
+                    self.reduce_bucket(b)
 
-    def _reduce(self, b: _Bucket) -> None:
+    def reduce_bucket(self, b: _Bucket) -> None:
         if b.grad is None:                      # no gradient arrived at all: reduce zeros, every rank does the same
             with alloc_category("gradients"):
                 b.grad = b.layout.new()
@@ -216,7 +216,7 @@ class ShardedOptimizer:
             raise ValueError("ShardedOptimizer.step does not take a closure")
         for b in self.buckets:
             if self.stage == 1 or b.grad is not None:   # stage 2: what no bucket-complete reduction took yet
-                self._reduce(b)
+                self.reduce_bucket(b)
         self.optimizer.step()
         for b in self.buckets:                  # my updated shard lands in place, the others around it
             all_gather_ring(self.comm, b.shard.detach(), b.padded, tag=f"{self.tag}_ag", out=b.flat)

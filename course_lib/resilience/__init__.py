@@ -10,8 +10,9 @@ rank, and how often to checkpoint. Notebook 10.
                  relaunches the ranks after one is killed and restores the lost one from its peer, without disk
     redundant    Bamboo: each pipeline stage also runs its successor's forward and keeps its replica; a killed
                  stage is taken over by its predecessor in the running processes, without disk or restart
+    membership   Bamboo's membership: a peer's loss noticed (`PeerLost`), the survivors' new group, `takeover`
     failures     Young/Daly's checkpoint interval and a seeded simulation of goodput, and fault injectors
-    references   the production references: torchrun --max-restarts, torch.distributed.checkpoint, torchft;
+    references/  the production references: torchrun --max-restarts, torch.distributed.checkpoint, torchft;
                  the workers that run under them
     plots        Bamboo's recovery drawn from the survivors' records
 """

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import re
 import sys
 
 import torch
@@ -79,14 +78,14 @@ class RedundantPipeline(Pipeline):
         self.optimizer = _Together(own_opt, replica_opt)
         self.committed = 0
 
-    def _stage_forward(self, op, x, targets):
-        out = super()._stage_forward(op, x, targets)
+    def stage_forward(self, op, x, targets):
+        out = super().stage_forward(op, x, targets)
         if self.hashes is not None:
             self.hashes[("F", self.start + self._step, op.stage, op.mb)] = _digest(out)
         return out
 
-    def _forward(self, op, batches, step: int) -> None:
-        super()._forward(op, batches, step)
+    def forward_op(self, op, batches, step: int) -> None:
+        super().forward_op(op, batches, step)
         if self.replica is None:
             return
         t0 = now()

@@ -18,7 +18,9 @@ from course_lib.core.data import ShardedBatches
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.memopt.recompute import make_plan
-from course_lib.memopt.recompute.costs import ActivationPeakProbe, formula_costs, pipeline_peaks
+from course_lib.memopt.recompute.costs import formula_costs
+from course_lib.memopt.recompute.measured import ActivationPeakProbe
+from course_lib.memopt.recompute.pipeline import pipeline_peaks
 from course_lib.core.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
 from course_lib.composer.parallelize import ParallelPlan, parallelize

@@ -2,8 +2,8 @@
 selective and every-2 recomputation the loss and every gradient are bitwise those of the same tensor-parallel model
 without recomputation (the rerun executes the same ops, its collectives included) and equal the single-process
 reference within 1e-12; the tp ledger shows exactly `tp_bytes_per_microbatch` plus the forward collectives the
-rerun re-issues (`recompute_plan.rerun_tp_bytes`). At tp = 2 (1D and sequence parallelism), tp = 4, and dp × tp =
-2 × 2 on a Mesh (DDP over dp: its bytes do not change). One launch per world size runs every variant.
+rerun re-issues (`recompute.tensor_parallel.rerun_tp_bytes`). At tp = 2 (1D and sequence parallelism), tp = 4,
+and dp × tp = 2 × 2 on a Mesh (DDP over dp: its bytes do not change). One launch per world size runs every variant.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh, data_parallel_batches
 from course_lib.memopt.recompute import apply_recompute, make_plan
-from course_lib.memopt.recompute.costs import rerun_tp_bytes
+from course_lib.memopt.recompute.tensor_parallel import rerun_tp_bytes
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_microbatch

@@ -387,3 +387,47 @@ def test_the_tautology_rules_catch_what_notebooks_12_to_14_once_asserted():
              _assert_tests(nb)]
     assert [bool(w) for w in found] == [True, True, True, False, False], found
     assert "scaled by a knob" in found[0] and "copy written out" in found[1] and "itself" in found[2]
+
+
+def _show_source_calls(nb):
+    """(cell index, ast.Call) of every show_source(...) in the notebook's code cells."""
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "show_source"
+                                               or getattr(node.func, "attr", None) == "show_source"):
+                yield i, node
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(expr) -> list:
+    """The names of a dotted expression (`O.OffloadAdam.step` → ['O', 'OffloadAdam', 'step'])."""
+    if isinstance(expr, ast.Attribute):
+        return _dotted(expr.value) + [expr.attr]
+    return [expr.id] if isinstance(expr, ast.Name) else []
+
+
+@pytest.mark.parametrize("path", ALL, ids=rel)
+def test_shown_code_is_chosen_by_name_never_by_line_number(path):
+    for i, call in _show_source_calls(read(path)):
+        assert "lines" not in {k.arg for k in call.keywords}, \
+            f"{rel(path)} cell {i}: show_source(..., lines=...) cuts by line number, and an edit above the cut " \
+            f"silently changes the lecture; show a named function or method (only=[...]), or give the part a name"
+
+
+@pytest.mark.parametrize("path", ALL, ids=rel)
+def test_lectures_show_public_names_only(path):
+    for i, call in _show_source_calls(read(path)):
+        names = _dotted(call.args[0]) if call.args else []
+        for k in call.keywords:
+            if k.arg == "only":
+                items = k.value.elts if isinstance(k.value, (ast.List, ast.Tuple)) else [k.value]
+                names += [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        private = [n for n in names if _private(n)]
+        assert not private, f"{rel(path)} cell {i} shows the private name(s) {private}: make it public in the " \
+                            f"library (every caller with it) or show something else"

@@ -421,7 +421,7 @@ def test_a_disk_that_fills_up_inside_a_chunk_write_leaves_the_old_chunk_and_no_t
     before = open(tier.path(0), "rb").read()
     with disk_full(after_bytes=tier.chunk_nbytes[0] // 2), pytest.raises(OffloadDiskError, match="is full: .*"
                                                                                            "offload_dir="):
-        tier._write(0, torch.zeros(tier.chunk_nbytes[0] // 4))
+        tier.write_chunk(0, torch.zeros(tier.chunk_nbytes[0] // 4))
     assert open(tier.path(0), "rb").read() == before
     assert not any(is_temporary(p) for p in os.listdir(tier.root))
     tier.close()

@@ -15,8 +15,9 @@ from course_lib.memory import MemoryTracker
 from course_lib.memopt.recompute import (CheckpointError, Plan, RecomputePlan, Unit, all_but_matmuls,
                                          apply_recompute, attention_core, checkpoint, make_plan, recompute_all,
                                          remove_recompute, torch_policy)
-from course_lib.memopt.recompute.costs import (FlopProbe, activation_peak, formula_costs, measure_costs, min_budget,
-                                              optimal_plan, pareto_front, plan_extra, plan_peak)
+from course_lib.memopt.recompute.costs import formula_costs, plan_extra, plan_peak
+from course_lib.memopt.recompute.measured import FlopProbe, activation_peak, measure_costs
+from course_lib.memopt.recompute.optimum import min_budget, optimal_plan, pareto_front
 from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config, lm_loss
 from course_lib import optim
 from course_lib.train import GradProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
@@ -492,7 +493,8 @@ def _stage_step(stage, x, policy, seed=0):
 def test_apply_recompute_on_a_pipeline_stage_recomputes_only_its_blocks(policy):
     """A PipelineStage holds some of the GPT's blocks (a ModuleDict keyed by their index): the plan covers those, the
     gradients are bitwise those without recomputation (dropout on) and the bytes are the stage chain's formulas."""
-    from course_lib.memopt.recompute.costs import plan_held, stage_chain
+    from course_lib.memopt.recompute.costs import plan_held
+    from course_lib.memopt.recompute.pipeline import stage_chain
     from course_lib.parallel.pipeline import PipelineStage, split_layers
     cfg = get_config("nano", n_layer=5, seq_len=16, dropout=0.1)
     bounds = split_layers(5, 3)                                   # the middle stage runs blocks 2 and 3
@@ -521,7 +523,7 @@ def test_pipeline_peaks_are_m_minus_1_held_plus_one_working_set():
     """The closed form by hand for 1F1B on 3 stages (m = 3, 2, 1 in flight) and GPipe (m = M), full recomputation:
     held = E + n·4bTd (+ H on the last stage), work = E + (n − 1)·4bTd + s (or held, if larger); no recomputation:
     (m)·stage_activation_bytes."""
-    from course_lib.memopt.recompute.costs import max_in_flight, pipeline_peaks
+    from course_lib.memopt.recompute.pipeline import max_in_flight, pipeline_peaks
     from course_lib.parallel.pipeline import make_schedule, split_layers, stage_activation_bytes
     cfg = get_config("nano", n_layer=5, seq_len=16, dropout=0.1)
     b, S, M = 2, 3, 7
@@ -542,7 +544,7 @@ def test_pipeline_peaks_are_m_minus_1_held_plus_one_working_set():
 
 
 def test_the_activation_peak_probe_gives_the_reports_activation_peak():
-    from course_lib.memopt.recompute.costs import ActivationPeakProbe
+    from course_lib.memopt.recompute.measured import ActivationPeakProbe
     cfg = get_config("nano", seq_len=16, dropout=0.1)
     peaks = []
     for probe in (MemoryProbe(), ActivationPeakProbe()):

@@ -1,8 +1,12 @@
-"""show_source shows the real code, or the part of it that teaches: some methods of a class, or some lines."""
+"""show_source shows the real code, or the part of it that teaches: some methods of a class, chosen by name."""
+import inspect
+
 import pytest
 
+import course_lib
 from course_lib import source_of
 from course_lib.io.cache import ShardCache
+from course_lib.memopt.precision import Format
 
 
 def test_only_shows_the_named_methods_under_the_class_line_and_names_the_rest():
@@ -12,25 +16,26 @@ def test_only_shows_the_named_methods_under_the_class_line_and_names_the_rest():
     compile(src.replace("# …", "#"), "<show_source>", "exec")        # still valid Python
 
 
-def test_lines_keeps_a_slice_and_marks_the_cut():
-    full = source_of(ShardCache.put).splitlines()
-    part = source_of(ShardCache.put, lines=(2, 4)).splitlines()
-    assert part[1:4] == full[1:4] and part[0] == "# … 1 line(s) above" and part[-1].startswith("# …")
+def test_a_dataclass_keeps_its_decorator_and_fields_and_properties_are_chosen_by_name():
+    src = source_of(Format, only=["bits", "max"])
+    lines = src.splitlines()
+    assert lines[:2] == ["@dataclass(frozen=True)", "class Format:"]
+    assert "    mantissa_bits: int" in lines and "    finite_only: bool = False" in lines     # the fields
+    assert "def bits(self)" in src and "def max(self)" in src and "def bias(self)" not in src
+    left_out = lines[-1]
+    assert left_out.startswith("    # … and") and "bias" in left_out and "__init__" not in left_out  # not @dataclass's
+    assert src.count("@property") == 2                 # each shown property once, the next one's decorator not at all
+    compile(src.replace("# …", "#"), "<show_source>", "exec")
 
 
 def test_bad_requests_say_what_exists():
-    with pytest.raises(ValueError, match="defines no nothing; it defines"):
+    with pytest.raises(ValueError, match="defines no method nothing; it defines"):
         source_of(ShardCache, only="nothing")
-    with pytest.raises(ValueError, match="has lines 1 to"):
-        source_of(ShardCache.put, lines=(0, 10_000))
+    with pytest.raises(TypeError, match="needs a class"):
+        source_of(source_of, only="x")
 
 
-def test_several_ranges_keep_each_slice_in_order_and_mark_every_cut():
-    full = source_of(ShardCache.put).splitlines()
-    n = len(full)
-    assert n >= 6
-    part = source_of(ShardCache.put, lines=[(1, 2), (4, 5)]).splitlines()
-    assert part[:2] == full[:2] and part[2] == "# … 1 line(s) left out" and part[3:5] == full[3:5]
-    assert part[5:] == ([f"# … {n - 5} line(s) below"] if n > 5 else [])
-    with pytest.raises(ValueError, match="in order, not overlapping"):
-        source_of(ShardCache.put, lines=[(3, 4), (2, 5)])
+def test_there_is_no_cut_by_line_number():
+    """An edit above a line-number cut silently changes what a lecture shows: the option does not exist."""
+    for fn in (source_of, course_lib.show_source):
+        assert "lines" not in inspect.signature(fn).parameters

@@ -170,9 +170,9 @@ class ServerHooks:
             return [body]
         self.stopping.wait(max(0.0, t0 + model.first_byte_s - time.perf_counter()))
         start_response(captured["status"], captured["headers"])
-        return self._paced(body, t0 + model.first_byte_s, model)
+        return self.paced(body, t0 + model.first_byte_s, model)
 
-    def _paced(self, body: bytes, t_first: float, model: CloudModel):
+    def paced(self, body: bytes, t_first: float, model: CloudModel):
         sent = 0
         for i in range(0, len(body), CHUNK):
             chunk = body[i:i + CHUNK]

@@ -170,7 +170,7 @@ class ActivationOffload(nn.Module):
         x = args[0] if args and torch.is_tensor(args[0]) else None
         if x is not None and x.requires_grad:     # its gradient is complete when layer i's backward has ended
             x.register_hook(lambda g, rec=rec, i=i: self._backward_span(rec, i, end=True))
-        self._saving = saved_tensors_hooks_over(self._pack, self._unpack)
+        self._saving = saved_tensors_hooks_over(self.pack, self.unpack)
         self._saving.__enter__()
 
     def _exit(self, i: int, out) -> None:
@@ -196,7 +196,7 @@ class ActivationOffload(nn.Module):
             _book(self.log, "compute", "backward", f"layer {i}", t0, group="compute")
 
     # ---------------------------------------------------------------- the hook pair (pushed while a layer runs)
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):
         rec, i = self._open, self._layer
         storage = t.untyped_storage()
         if rec is None or i is None or t.layout != torch.strided or not storage.nbytes() or \
@@ -211,7 +211,7 @@ class ActivationOffload(nn.Module):
         rec.stats.saves += 1
         return self.swap.packed(s, t, (rec.key, i))
 
-    def _unpack(self, x):
+    def unpack(self, x):
         if not isinstance(x, _Packed):
             return x
         key, layer = x.group
@@ -222,7 +222,7 @@ class ActivationOffload(nn.Module):
                 self._arrive(rec, layer)
             nxt = rec.below(layer) if self.prefetch else None
             if nxt is not None and nxt not in rec.arrived and nxt not in rec.inflight and rec.stashes.get(nxt):
-                self._issue(rec, nxt, background=True)
+                self.issue(rec, nxt, background=True)
         if x.stash.device is None:                # a storage another layer stashed first: bring it on its own
             self.swap.copy_in([x.stash], self.swap.allocate([x.stash]), f"layer {layer}", now())
         return self.swap.view(x)
@@ -233,10 +233,10 @@ class ActivationOffload(nn.Module):
         rec.started = True
         top = next((i for i in reversed(rec.order) if rec.stashes.get(i)), None)
         if top is not None and top not in rec.arrived and top not in rec.inflight:
-            self._issue(rec, top, background=True)
+            self.issue(rec, top, background=True)
 
     # ---------------------------------------------------------------- fetching back
-    def _issue(self, rec: _Forward, layer: int, background: bool) -> None:
+    def issue(self, rec: _Forward, layer: int, background: bool) -> None:
         """Start bringing `layer` of forward `rec` back: its device buffers are allocated now, here; the copies run
         on the background thread if `background`."""
         stashes = [s for s in rec.stashes.get(layer, ()) if s.device is None]
@@ -255,7 +255,7 @@ class ActivationOffload(nn.Module):
     def _arrive(self, rec: _Forward, layer: int) -> None:
         fut = rec.inflight.pop(layer, None)
         if fut is None:                          # nobody prefetched it (prefetch=False): fetch it now
-            self._issue(rec, layer, background=False)
+            self.issue(rec, layer, background=False)
         else:
             fut.result()
         rec.arrived.add(layer)

@@ -108,7 +108,7 @@ class DiskTier:
         _book(self.log, "recv", "read", f"chunk {c}", t0, got, group="disk")
         return buf
 
-    def _write(self, c: int, buf: torch.Tensor) -> None:
+    def write_chunk(self, c: int, buf: torch.Tensor) -> None:
         """Chunk c replaced atomically by the course's one atomic write (fsynced when `durable`), then, when
         `durable`, its pages dropped from the page cache so that the next read comes from the disk, not from RAM."""
         final = self.path(c)
@@ -147,7 +147,7 @@ class DiskTier:
                 lay = self.layouts[c]
                 master = buf[:lay.padded]
                 lay.pack(master, [tensors[i].reshape(-1) for i in idx])
-                self._write(c, buf)
+                self.write_chunk(c, buf)
                 self._on_disk += self.chunk_nbytes[c]
             for tracker in self._trackers:
                 tracker.add_external(("offload", self.root), self.file_bytes, "optimizer", "disk")
@@ -167,7 +167,7 @@ class DiskTier:
             box.append(self._read(c))
 
         def write(c, box):
-            self._write(c, box.pop())
+            self.write_chunk(c, box.pop())
 
         read, write = carry_tracking(read), carry_tracking(write)
         boxes = {0: []}

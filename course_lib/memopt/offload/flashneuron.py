@@ -64,13 +64,19 @@ class ActivationFiles(DiskTier):
 
     def __init__(self, *, directory=None, quota: "int | None" = None, planned_bytes: int = 0, log=None,
                  durable: bool = False, fault=None):
-        self.dtype, self.durable, self.quota, self.fault = torch.uint8, durable, quota, fault
+        self.dtype = torch.uint8
+        self.durable = durable
+        self.quota = quota
+        self.fault = fault
         self.log = transfer_log() if log is None else log
         self.chunk_nbytes: dict = {}
         self.planned_bytes = planned_bytes
         self.root = self._make_dir(directory)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
-        self._trackers, self._pool, self._on_disk, self._counted = (), None, 0, False
+        self._trackers = ()
+        self._pool = None
+        self._on_disk = 0
+        self._counted = False
         self._next = 0
 
     @property
@@ -87,7 +93,7 @@ class ActivationFiles(DiskTier):
             if not os.access(self.root, os.W_OK):
                 raise OffloadDiskError(f"offload directory {self.root} is not writable: pass offload_dir= a "
                                        f"writable directory on a local disk")
-            self._write(c, data)
+            self.write_chunk(c, data)
         except BaseException:
             self.close()
             raise
@@ -114,8 +120,12 @@ class _Saved:
     __slots__ = ("owner", "chunk", "dtype", "nbytes", "device", "holders")
 
     def __init__(self, owner, chunk, dtype, nbytes):
-        self.owner, self.chunk, self.dtype, self.nbytes = owner, chunk, dtype, nbytes
-        self.device, self.holders = None, 0
+        self.owner = owner
+        self.chunk = chunk
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.device = None
+        self.holders = 0
 
 
 class _Note:
@@ -123,8 +133,11 @@ class _Note:
     __slots__ = ("saved", "dtype", "size", "stride", "offset")
 
     def __init__(self, saved, t):
-        self.saved, self.dtype, self.size, self.stride, self.offset = saved, t.dtype, t.size(), t.stride(), \
-            t.storage_offset()
+        self.saved = saved
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
         saved.holders += 1
 
     def __del__(self):
@@ -147,7 +160,9 @@ class FlashNeuronOffload:
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
         blocks = blocks_of(model)
-        self.model, self.codec, self.layers = model, codec, sorted(set(layers))
+        self.model = model
+        self.codec = codec
+        self.layers = sorted(set(layers))
         self.log = transfer_log() if log is None else log
         self.files = ActivationFiles(directory=directory, quota=quota, log=self.log, fault=fault, durable=durable)
         self._keep = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
@@ -161,7 +176,7 @@ class FlashNeuronOffload:
         self._hooks = None
 
     def _enter(self, args):
-        self._hooks = saved_tensors_hooks_over(self._pack, self._unpack)
+        self._hooks = saved_tensors_hooks_over(self.pack, self.unpack)
         self._hooks.__enter__()
 
     def _exit(self):
@@ -169,7 +184,7 @@ class FlashNeuronOffload:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
 
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage._cdata
         if t.layout != torch.strided or not storage.nbytes() or key in self._keep:
@@ -186,7 +201,7 @@ class FlashNeuronOffload:
             self._stashed[key] = hit
         return _Note(hit[1], t)
 
-    def _unpack(self, x):
+    def unpack(self, x):
         if not isinstance(x, _Note):
             return x
         s = x.saved

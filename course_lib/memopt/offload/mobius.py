@@ -175,7 +175,9 @@ def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes:
         return t1
 
     acts = n_micro * boundary_bytes
-    arrived, pending, prev_start, prev_end = {}, [], 0.0, 0.0
+    arrived = {}                          # stage -> when its parameters are on the device
+    pending = []                          # stages loaded by the plan, not yet sent
+    prev_start = prev_end = 0.0           # the compute before this one
     for kind, s in plan:
         if kind == "load":
             pending.append(s)
@@ -261,7 +263,8 @@ class MobiusExecutor:
     one stage's parameters and gradients is refused before anything moves."""
 
     def __init__(self, model: nn.Module, bounds, *, device_bytes: "int | None" = None, log=None):
-        self.model, self.units = model, units_of(model)
+        self.model = model
+        self.units = units_of(model)
         self.bounds = _check_bounds(bounds, len(self.units))
         self.stage_bytes = stage_sums(unit_bytes(model), self.bounds)
         if device_bytes is not None:
@@ -279,9 +282,12 @@ class MobiusExecutor:
         for ps in self.params:
             for p in ps:
                 p.data = torch.empty(0, dtype=p.dtype)
-        self.forward_s, self.backward_s = [0.0] * len(self.bounds), [0.0] * len(self.bounds)
+        self.forward_s = [0.0] * len(self.bounds)
+        self.backward_s = [0.0] * len(self.bounds)
 
-    n_stages = property(lambda self: len(self.bounds))
+    @property
+    def n_stages(self) -> int:
+        return len(self.bounds)
 
     def _load(self, s: int) -> None:
         t0 = now()
@@ -317,13 +323,17 @@ class MobiusExecutor:
         """Forward and backward of every (idx, targets) micro-batch, in the order of `plan` (`mobius_plan` by
         default: see there); the gradients (mean over micro-batches) land in `host_grads`. Returns the mean loss.
         A plan that computes a stage not on the device, or stages out of order, is refused with the reason."""
-        S, M, last = self.n_stages, len(batches), self.n_stages - 1
+        S, M = self.n_stages, len(batches)
+        last = S - 1
         plan = mobius_plan(S) if plan is None else list(plan)
         self.host_grads = [[None] * len(ps) for ps in self.params]
         saved: dict = {}                                 # (stage, micro-batch) -> its input, on the host
         inputs: dict = {}                                # micro-batch -> the next stage's input, on the device
-        loaded, todo = set(), [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
-        leaving, losses, grads_in = None, [], {}
+        loaded = set()
+        todo = [("fwd", s) for s in range(S)] + [("bwd", s) for s in reversed(range(S))]
+        leaving = None
+        losses = []
+        grads_in = {}                                    # micro-batch -> the gradient of the next stage's input
         for kind, s in plan:
             if not (isinstance(s, int) and 0 <= s < S) or kind not in ("load", "drop", "fwd", "bwd"):
                 raise ValueError(f"plan step {(kind, s)!r}: expected ('load' | 'fwd' | 'bwd' | 'drop', stage 0…{last})")
@@ -386,7 +396,8 @@ class MobiusExecutor:
         """Put the host copies back into the model (and the host gradients into `.grad`)."""
         for ps, hs, gs in zip(self.params, self.host, self.host_grads):
             for p, h, g in zip(ps, hs, gs):
-                p.data, p.grad = h, g
+                p.data = h
+                p.grad = g
 
     def timeline(self, link: "Link | str" = DEFAULT_LINK, *, n_micro: int = 1, boundary_bytes: int = 0,
                  plan=None) -> MobiusTimeline:

@@ -73,7 +73,7 @@ class OffloadAdam(torch.optim.Optimizer):
         params = self._params()
         self._fresh = set(params)
         if grads_in_backward and tier != "device":
-            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_down) for p in params if p.requires_grad]
+            self._hooks = [p.register_post_accumulate_grad_hook(self.grad_down) for p in params if p.requires_grad]
 
     def _params(self) -> list:
         return [p for g in self.param_groups for p in g["params"]]
@@ -86,7 +86,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 bufs = self._host_grads[p] = [torch.empty_like(p) for _ in range(2 if self.dpu else 1)]
         return bufs[self._slot]
 
-    def _grad_down(self, p: torch.Tensor) -> None:   # a hook: must return None
+    def grad_down(self, p: torch.Tensor) -> None:   # a hook: must return None
         g = p.grad
         for tracker in active_trackers():            # autograd allocated it as a temporary: it is a gradient
             tracker.track(g, "gradients")
@@ -108,7 +108,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if self.tier != "device":
             for p in self._params():                 # gradients still on the device (no hook, or a ZeRO shard)
                 if p.grad is not None:
-                    self._grad_down(p)
+                    self.grad_down(p)
         self._calls += 1
         slot = self._slot
         stepped = [p for p in self._params() if (p.grad is not None if self.tier == "device" else
@@ -116,7 +116,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._fresh = set(self._params())
         if not self.dpu or self._calls <= self.dpu_warmup:
             waited = self.flush()
-            timing = self._update(slot, stepped)
+            timing = self.update(slot, stepped)
             timing["upload"] = self._upload(slot, stepped)
             timing["waited"] = waited
             self.timings.append(timing)
@@ -124,7 +124,7 @@ class OffloadAdam(torch.optim.Optimizer):
             waited = self.flush()                    # the previous step's parameters come up now
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="offload-adam")
-            self._pending = (self._pool.submit(carry_tracking(self._update), slot, stepped), slot, stepped, waited)
+            self._pending = (self._pool.submit(carry_tracking(self.update), slot, stepped), slot, stepped, waited)
             self._slot = 1 - slot                    # the next backward writes the other gradient buffer
 
     def flush(self) -> float:
@@ -141,7 +141,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self.timings.append(timing)
         return waited
 
-    def _update(self, slot: int, stepped: list) -> dict:
+    def update(self, slot: int, stepped: list) -> dict:
         """The CPU step (any thread): Adam on the fp32 state, then the new parameters cast to the low precision,
         written into the gradient buffer the step has just consumed (no other host buffer needed)."""
         t0 = now()

@@ -39,7 +39,7 @@ class Fp8Scaling:
         self.amaxes: list[float] = []            # the tensor's own amax at each cast
         self.saturated: list[int] = []           # elements clipped at each cast (beyond max + half a step)
 
-    def _scale_for(self, amax: float) -> float:
+    def scale_for(self, amax: float) -> float:
         if not amax > 0 or not math.isfinite(amax):
             return 1.0
         # as torchao: fp8_max / amax in float64, then float32
@@ -49,7 +49,7 @@ class Fp8Scaling:
         """(x·scale as a float8 tensor, scale); x ≈ x_fp8 / scale."""
         amax = float(x.detach().abs().max()) if x.numel() else 0.0
         ref = max(self.amax_history[-self.history_len:], default=0.0) if self.delayed else amax
-        scale = self._scale_for(ref)
+        scale = self.scale_for(ref)
         scaled = x.detach().float() * scale
         self.scales.append(scale)
         self.amaxes.append(amax)
@@ -60,7 +60,7 @@ class Fp8Scaling:
         return saturating_cast(scaled, self.fmt), scale
 
 
-class _Fp8Matmul(torch.autograd.Function):
+class Fp8Matmul(torch.autograd.Function):
     """y = x·Wᵀ with x, W cast to E4M3 and, in backward, ∂y cast to E5M2; the float8 tensors are what is saved."""
 
     @staticmethod
@@ -109,7 +109,7 @@ class Fp8Linear(nn.Linear):
         return new
 
     def forward(self, x):
-        y = _Fp8Matmul.apply(x, self.weight, self)
+        y = Fp8Matmul.apply(x, self.weight, self)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

@@ -76,6 +76,18 @@ def quantized_all_reduce_error_bound(absmax_sum: float, world_size: int, kind: s
     return bound / world_size if op == "avg" else bound
 
 
+def _check_arguments(tensor: torch.Tensor, op: str, kind: str, residual) -> None:
+    if kind not in COMM_KINDS:
+        raise ValueError(f"unsupported wire format {kind!r}; use one of {COMM_KINDS}")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"quantized_all_reduce reduces with 'sum' or 'avg', got {op!r}")
+    if not tensor.is_contiguous() or not tensor.is_floating_point():
+        raise ValueError("quantized_all_reduce works in place on a contiguous floating-point tensor")
+    if residual is not None and (residual.shape != tensor.shape or residual.dtype != torch.float32):
+        raise ValueError(f"residual must be fp32 of shape {tuple(tensor.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+
+
 def quantized_all_reduce(comm, tensor: torch.Tensor, op: str = "avg", *, kind: str = "int8",
                          block_size: int = PAPER_BLOCK_SIZE, residual: torch.Tensor | None = None,
                          tag: str = QGRAD_TAG) -> torch.Tensor:
@@ -91,15 +103,7 @@ def quantized_all_reduce(comm, tensor: torch.Tensor, op: str = "avg", *, kind: s
                              so every rank ends with NaN there and a loss scaler's check skips the step on all of
                              them; the residuals are left as they were before this step
     """
-    if kind not in COMM_KINDS:
-        raise ValueError(f"unsupported wire format {kind!r}; use one of {COMM_KINDS}")
-    if op not in ("sum", "avg"):
-        raise ValueError(f"quantized_all_reduce reduces with 'sum' or 'avg', got {op!r}")
-    if not tensor.is_contiguous() or not tensor.is_floating_point():
-        raise ValueError("quantized_all_reduce works in place on a contiguous floating-point tensor")
-    if residual is not None and (residual.shape != tensor.shape or residual.dtype != torch.float32):
-        raise ValueError(f"residual must be fp32 of shape {tuple(tensor.shape)}, got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
+    _check_arguments(tensor, op, kind, residual)
     p, r = comm.world_size, comm.rank
     with alloc_category("comm"):
         acc = tensor.detach().reshape(-1).float().clone()              # (n,) fp32 accumulator
@@ -110,7 +114,11 @@ def quantized_all_reduce(comm, tensor: torch.Tensor, op: str = "avg", *, kind: s
     res = residual.view(-1) if residual is not None else None
     chunks = acc.tensor_split(p)
     sizes = [c.numel() for c in chunks]
-    lost = (lambda c, x, d: res.tensor_split(p)[c].add_(x - d)) if res is not None else (lambda c, x, d: None)
+
+    def lost(c, x, d):                                                 # error feedback: what Q dropped of chunk c
+        if res is not None:
+            res.tensor_split(p)[c].add_(x - d)
+
     right, left = (r + 1) % p, (r - 1) % p
     try:
         for s in range(p - 1):                                         # reduce-scatter
@@ -154,7 +162,7 @@ def quantized_data_parallel(module: nn.Module, mesh_or_comm, *, kind: str = "int
             with alloc_category("comm"):
                 self.residuals = [torch.zeros(b.numel) for b in self.buckets] if error_feedback else None
 
-        def _reduce_bucket(self, bucket):
+        def reduce_bucket(self, bucket):
             quantized_all_reduce(self.comm, bucket.buffer, "avg", kind=self.kind, block_size=self.block_size,
                                  residual=None if self.residuals is None else self.residuals[bucket.index])
 

@@ -5,14 +5,18 @@ Chen, Xu, Zhang & Guestrin, "Training Deep Nets with Sublinear Memory Cost", arX
 segment inputs, √n segments. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 MLSys 2023 (arXiv 2205.05198): full and selective recomputation of a transformer layer. docs/formulas.md §4.3, §5.
 
-The package, by subject (every name importable from here):
+The package, by subject:
 
-    recompute_hooks     the mechanism: `Segment` (saved-tensor hooks and a record of the ops), `checkpoint`, the
-                        rerun `_Replay`, `CheckpointError`
-    recompute_policies  per op, recomputed or kept: `recompute_all`, `attention_core` (Korthikanti's selective),
-                        `all_but_matmuls`, `torch_policy` (the same for torch's selective checkpoint)
-    recompute           plans over a model's blocks (`Unit`, `RecomputePlan`, `make_plan`) and `apply_recompute`
-    recompute_plan      what a plan costs (bytes and FLOPs, measured and closed forms) and the optimal plan
+    hooks            the mechanism: `Segment` (saved-tensor hooks and a record of the ops), `checkpoint`, the
+                     rerun `Replay`, `CheckpointError`
+    policies         per op, recomputed or kept: `recompute_all`, `attention_core` (Korthikanti's selective),
+                     `all_but_matmuls`, `torch_policy` (the same for torch's selective checkpoint)
+    (this module)    plans over a model's blocks (`Unit`, `RecomputePlan`, `make_plan`) and `apply_recompute`
+    costs            what a plan costs: the chain model (bytes held, working set, extra FLOPs) and its closed forms
+    measured         the same costs measured on a real model, and probes for a run's FLOPs and activation peak
+    optimum          the best plan under a memory budget and the Pareto front (a dynamic program over the chain)
+    pipeline         recomputation inside a pipeline: each rank's peak, how many micro-batches fit a budget
+    tensor_parallel  the bytes a rerun of tensor-parallel blocks sends again
 
 Checked against: gradients bitwise equal to no recomputation (dropout on) and to torch's checkpoint; the peak
 the memory accountant sees never above torch's selective checkpoint with the same policy; tensor-parallel models
@@ -30,8 +34,7 @@ import torch.nn as nn
 
 from ...core.handles import attach, detach
 from ...core.model import blocks_of
-from .hooks import (RECOMPUTED, CheckpointError, Segment, Ticket, _open, _Recorder, _Replay,  # noqa: F401
-                              _rerunning, checkpoint)
+from .hooks import RECOMPUTED, CheckpointError, Segment, Ticket, _open, _rerunning, checkpoint
 from .policies import MATMULS, all_but_matmuls, attention_core, recompute_all, torch_policy
 
 KINDS = ("store", "full", "selective")

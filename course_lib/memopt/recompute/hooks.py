@@ -79,7 +79,9 @@ class Ticket:
     __slots__ = ("segment", "sid", "view", "notes", "taken", "__weakref__")
 
     def __init__(self, segment, sid, t):
-        self.segment, self.sid, self.view = segment, sid, (tuple(t.shape), t.stride(), t.storage_offset())
+        self.segment = segment
+        self.sid = sid
+        self.view = (tuple(t.shape), t.stride(), t.storage_offset())
         self.notes = dict(t.__dict__) if t.__dict__ else None
         self.taken = False
 
@@ -93,7 +95,10 @@ class Segment:
     `name` appears in errors; `preserve_rng_state=False` is refused when the segment recomputes a random op."""
 
     def __init__(self, fn, args, *, policy=recompute_all, preserve_rng_state: bool = True, name: str = "segment"):
-        self.fn, self.policy, self.preserve_rng_state, self.name = fn, policy, preserve_rng_state, name
+        self.fn = fn
+        self.policy = policy
+        self.preserve_rng_state = preserve_rng_state
+        self.name = name
         # detached aliases (same storage and version counter): a reference to a tensor with a grad_fn, held by
         # something its graph holds (our Tickets), would be a cycle through C++ that Python's GC cannot free
         self.inputs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -110,8 +115,12 @@ class Segment:
         self.sources: dict[int, torch.Tensor] = {}    # sid -> kept tensor the rerun hands back instead of recomputing
         self.packed: list = []                # inputs, passed through the enclosing saved-tensor hooks
         self.packed_sources: dict = {}        # sid -> a source, passed through them (so a tracker counts it)
-        self._finalizers, self._stack, self._outer, self._recorder = [], None, None, None
-        self.last, self.done = -1, False
+        self._finalizers: list = []           # weakref.finalize per storage made in the segment, until it ends
+        self._stack = None                    # the hooks and the recorder, entered by __enter__
+        self._outer = None                    # the saved-tensor hooks around the segment (a tracker), if any
+        self._recorder = None
+        self.last = -1                        # the index of the last op the rerun executes
+        self.done = False                     # the rerun has run
 
     # ---------------------------------------------------------------------------------------- forward
     def __enter__(self):
@@ -122,8 +131,8 @@ class Segment:
         if outer is not None:           # so a memory tracker counts the kept inputs as activations
             self.packed = [outer[0](a) for a in self.inputs if isinstance(a, torch.Tensor)]
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(saved_tensors_hooks_over(self._pack, _unpack))
-        self._recorder = self._stack.enter_context(_Recorder(self))
+        self._stack.enter_context(saved_tensors_hooks_over(self.pack, _unpack))
+        self._recorder = self._stack.enter_context(Recorder(self))
         self._token = _open.set(self)
         return self
 
@@ -132,8 +141,14 @@ class Segment:
         self._stack.close()
         for f in self._finalizers:          # storages outlive the segment (its output): stop watching them
             f.detach()
-        self._finalizers, self.live, self._outer, self._recorder = [], {}, None, None
-        self._plan() if exc[0] is None else self._release()
+        self._finalizers = []
+        self.live = {}
+        self._outer = None
+        self._recorder = None
+        if exc[0] is None:
+            self.plan_rerun()
+        else:
+            self._release()
         return False
 
     def _record(self, func, args, kwargs):
@@ -184,7 +199,7 @@ class Segment:
         self.ops.append(_Op(func, recompute, reads, writes, outs, out_spec, rng, random, forced))
         return out
 
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):
         sid = self.live.get(_key(t))
         if sid is None or not self.ops[self.writer[sid]].recompute:
             return self._keep(t)                       # an input, a weight, or what a kept op made: kept
@@ -201,7 +216,7 @@ class Segment:
         self._recorder.paused = False
         return packed
 
-    def _plan(self) -> None:
+    def plan_rerun(self) -> None:
         """End of forward: which ops the rerun must execute (the tickets' ancestors, back to what is kept)."""
         if not self.dropped:
             self._release()
@@ -238,7 +253,8 @@ class Segment:
             self.ops[k].run = True
         for sid, w in self.dropped.items():
             self.ops[w].collect.extend((s, where) for s, where in self.ops[w].writes if s == sid)
-        self.sources, self.held = {sid: self.held[sid] for sid in sources}, {}
+        self.sources = {sid: self.held[sid] for sid in sources}
+        self.held = {}
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if outer is not None:       # what the rerun hands back is kept for backward: activations
             self.packed_sources = {sid: outer[0](t) for sid, t in self.sources.items()}
@@ -268,7 +284,7 @@ class Segment:
                 raise CheckpointError(f"the input of {self.name} was changed in place after the forward pass; its "
                                       f"recomputation would start from different values")
         state = torch.get_rng_state()
-        replay = _Replay(self)
+        replay = Replay(self)
         inputs = [a.detach().requires_grad_(r) if isinstance(a, torch.Tensor) else a
                   for a, r in zip(self.inputs, self.requires_grad)]
         token = _rerunning.set(True)
@@ -296,7 +312,25 @@ class Segment:
             self.recomputed.pop(sid, None)
 
     def _release(self) -> None:
-        self.inputs, self.held, self.sources, self.packed, self.packed_sources, self.ops = (), {}, {}, [], {}, []
+        self.inputs = ()
+        self.held = {}
+        self.sources = {}
+        self.packed = []
+        self.packed_sources = {}
+        self.ops = []
+
+    def _stand_in(self, out, flat):
+        """What the rerun returns for one output of an op it does not execute (`out` as recorded in `_Op.outs`):
+        nothing, the argument an in-place op returns, the kept tensor, or an empty stand-in on the meta device."""
+        if out is None:
+            return None
+        meta, sid, aliased = out
+        if aliased is not None:
+            return flat[aliased]
+        if sid in self.sources:
+            return self._hand_back(sid, meta)
+        size, stride, _, dtype, _ = meta
+        return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
     def _hand_back(self, sid: int, meta) -> torch.Tensor:
         """A kept tensor, for the one op of the rerun that made it in forward; the segment keeps it no longer, so
@@ -331,13 +365,21 @@ def _rng_state(kwargs):
 
 
 def _set_rng(rng) -> None:
-    (rng[0].set_state if rng[0] is not None else torch.set_rng_state)(rng[1])
+    generator, state = rng
+    if generator is not None:
+        generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
 
 
-class _Recorder(TorchDispatchMode):
+class Recorder(TorchDispatchMode):
+    """The forward's record: every op the segment runs goes through `Segment._record` (views make no storage and
+    are not recorded; `paused` while the hooks around the segment pack a kept tensor)."""
+
     def __init__(self, segment: Segment):
         super().__init__()
-        self.segment, self.paused = segment, False
+        self.segment = segment
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -346,12 +388,13 @@ class _Recorder(TorchDispatchMode):
         return self.segment._record(func, args, kwargs)
 
 
-class _Replay(TorchDispatchMode):
+class Replay(TorchDispatchMode):
     """The rerun: executes the ops marked `run`, hands back kept tensors, returns empty stand-ins for the rest."""
 
     def __init__(self, segment: Segment):
         super().__init__()
-        self.segment, self.i = segment, 0
+        self.segment = segment
+        self.i = 0                            # the index of the next op, in the forward's order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -369,9 +412,7 @@ class _Replay(TorchDispatchMode):
         flat = tree_flatten((args, kwargs))[0]
         if not op.run:
             with untracked():
-                outs = [None if m is None else flat[m[2]] if m[2] is not None else
-                        seg._hand_back(m[1], m[0]) if m[1] in seg.sources else
-                        torch.empty_strided(m[0][0], m[0][1], dtype=m[0][3], device="meta") for m in op.outs]
+                outs = [seg._stand_in(m, flat) for m in op.outs]
             return tree_unflatten(outs, op.out_spec)
         if func in _SHAPE_ONLY:        # needs only the recorded shape: no need to rebuild its argument
             (size, stride, _, dtype, device), _, _ = op.outs[0]
@@ -397,4 +438,4 @@ def checkpoint(fn, *args, policy=recompute_all, preserve_rng_state: bool = True,
         return fn(*args)
 
 
-__all__ = ["CheckpointError", "Segment", "Ticket", "checkpoint", "RECOMPUTED"]
+__all__ = ["CheckpointError", "Segment", "Ticket", "Recorder", "Replay", "checkpoint", "RECOMPUTED"]

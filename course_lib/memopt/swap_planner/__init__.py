@@ -30,8 +30,8 @@ its simulation and the budget bounds), `search` (the baselines, greedy and the g
 from __future__ import annotations
 
 from .plans import Outcome, SwapPlan, check_budget, least_memory, minimum_budget, simulate
-from .search import genetic, greedy, no_swap, swap_all
+from .search import evolve, genetic, greedy, no_swap, swap_all
 from .trace import Storage, Trace, TracingTracker, execute, trace_step
 
 __all__ = ["Storage", "TracingTracker", "Trace", "SwapPlan", "Outcome", "trace_step", "simulate", "minimum_budget",
-           "check_budget", "least_memory", "no_swap", "swap_all", "greedy", "genetic", "execute"]
+           "check_budget", "least_memory", "no_swap", "swap_all", "greedy", "genetic", "evolve", "execute"]

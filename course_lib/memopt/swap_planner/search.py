@@ -70,6 +70,23 @@ def greedy(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spee
         plan.release[c.id], plan.prefetch[c.id] = min(w, k - 1), max(p, k + 1)
 
 
+def evolve(pop: list, fitness, random_genes, rng, *, population: int, generations: int):
+    """The genetic algorithm's loop over genomes (integer arrays): each generation keeps the two fittest (lowest
+    `fitness`), then fills `population` with children — two parents each chosen by a tournament of 3, uniform
+    crossover, and each gene replaced by `random_genes()`'s with probability 1/len(genome). Returns the fittest."""
+    for _ in range(generations):
+        ranked = sorted(pop, key=fitness)
+        nxt = ranked[:2]
+        while len(nxt) < population:
+            a, b = (min(rng.choice(len(pop), 3, replace=False), key=lambda i: fitness(pop[i])) for _ in range(2))
+            n = len(pop[a])
+            child = np.where(rng.random(n) < 0.5, pop[a], pop[b])
+            flip = rng.random(n) < 1.0 / n
+            nxt.append(np.where(flip, random_genes(), child))
+        pop = nxt
+    return min(pop, key=fitness)
+
+
 def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0,
             population: int = 32, generations: int = 30, seed: int = 0) -> "SwapPlan | None":
     """A genetic search over plans (SwapAdvisor's method, here on what to swap and when, not on the op order).
@@ -127,22 +144,19 @@ def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spe
     while len(pop) < population:
         keep = rng.random(len(C)) < rng.random()
         pop.append(np.concatenate([rng.integers(1, K + 1, len(C)) * keep, rng.integers(1, K + 1, len(C))]))
-    for _ in range(generations):
-        ranked = sorted(pop, key=fitness)
-        nxt = ranked[:2]
-        while len(nxt) < population:
-            a, b = (min(rng.choice(len(pop), 3, replace=False), key=lambda i: fitness(pop[i])) for _ in range(2))
-            child = np.where(rng.random(2 * len(C)) < 0.5, pop[a], pop[b])
-            flip = rng.random(2 * len(C)) < 1.0 / (2 * len(C))
-            fresh = np.concatenate([rng.integers(0, K + 1, len(C)), rng.integers(1, K + 1, len(C))])
-            nxt.append(np.where(flip, fresh, child))
-        pop = nxt
-    rank = lambda plan: (lambda o: (o.peak > budget, max(0, o.peak - budget), o.seconds))(  # noqa: E731
-        simulate(trace, plan, link, speedup=speedup))
-    best = min([plan_of(min(pop, key=fitness))] + seeds, key=rank)      # the seeds exactly, not their nearest genes
+
+    def random_genes():
+        return np.concatenate([rng.integers(0, K + 1, len(C)), rng.integers(1, K + 1, len(C))])
+
+    def rank(plan: SwapPlan) -> tuple:
+        o = simulate(trace, plan, link, speedup=speedup)
+        return o.peak > budget, max(0, o.peak - budget), o.seconds
+
+    fittest = evolve(pop, fitness, random_genes, rng, population=population, generations=generations)
+    best = min([plan_of(fittest)] + seeds, key=rank)                    # the seeds exactly, not their nearest genes
     best.name = "genetic"
     return None if rank(best)[0] else best
 
 
 
-__all__ = ["no_swap", "swap_all", "greedy", "genetic"]
+__all__ = ["no_swap", "swap_all", "greedy", "genetic", "evolve"]

@@ -156,7 +156,7 @@ def block_span():
     return _SPANS[-1].compute("block") if _SPANS else contextlib.nullcontext()
 
 
-class _RingAttention(torch.autograd.Function):
+class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, all_pos, tag):
         r, p = comm.rank, comm.world_size
@@ -226,7 +226,7 @@ def ring_attention(q, k, v, mesh_or_comm, *, seq_len: int, layout: str = "zigzag
     shape (B, nh, T/cp, hs) holding this rank's tokens in `layout`; returns (B, nh, T/cp, hs)."""
     comm = axis_comm(mesh_or_comm, "cp")
     all_pos = [positions(seq_len, comm.world_size, j, layout) for j in range(comm.world_size)]
-    return _RingAttention.apply(q, k, v, comm, all_pos, tag)
+    return RingAttention.apply(q, k, v, comm, all_pos, tag)
 
 
 def allgather_attention(q, k, v, mesh_or_comm, *, seq_len: int, layout: str = "zigzag", tag: str = "cp_ag"):

@@ -60,7 +60,7 @@ from ...distributed.mesh import axis_comm
 from ...memory import saved_tensors_hooks_over
 from .replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
 from .replicate import REPLICATION_RULES, norms_and_biases  # noqa: F401  (re-exported: `FSDP(…, replicate=…)`)
-from .shard import ShardedGroup, _Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
+from .shard import ShardedGroup, Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
 
 
 def default_units(module: nn.Module) -> list:
@@ -100,7 +100,7 @@ class _Unit:
 
     def unshard_into_module(self) -> None:
         for g in self.groups:
-            g.set_full((_Replicate if g.replicated else _Unshard).apply(g, *g.shards))
+            g.set_full((_Replicate if g.replicated else Unshard).apply(g, *g.shards))
 
     def reshard(self) -> None:
         for g in self.groups:
@@ -197,7 +197,7 @@ class FSDP(nn.Module):
         self.reshard()
         # A MemoryTracker labelling activations (or any enclosing saved-tensor hooks) keeps seeing every tensor
         # that is not a gathered weight.
-        with saved_tensors_hooks_over(self._pack, self._unpack):
+        with saved_tensors_hooks_over(self.pack, self.unpack):
             try:
                 if self.root is not None:
                     self._pre_forward(self.root, self._order[0] if self._order else None)
@@ -228,13 +228,13 @@ class FSDP(nn.Module):
             u.reshard()
 
     # ---------------------------------------------------------------- backward
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):
         group = self._gathered.get(t.untyped_storage()._cdata)
         if group is not None:                    # a gathered weight: keep where it was, not the tensor
             return _Saved(group, t.size(), t.stride(), t.storage_offset())
         return t
 
-    def _unpack(self, x):
+    def unpack(self, x):
         if not isinstance(x, _Saved):
             return x
         unit = x.group.unit

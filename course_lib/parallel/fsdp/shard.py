@@ -111,7 +111,7 @@ class ShardedGroup(Placed):
         with alloc_category("parameters"):
             self.full = self.full_layout.new(self.staging.dtype)
         for i, full in enumerate(self.full_layout.views(self.full)):
-            self._copy_rows(full.view(self.shapes[i][0], -1), self._slots(self.staging, i), into_rows=True)
+            self.copy_rows(full.view(self.shapes[i][0], -1), self._slots(self.staging, i), into_rows=True)
         self.staging = None
         self.fsdp._gathered[self.full.untyped_storage()._cdata] = self
 
@@ -131,7 +131,7 @@ class ShardedGroup(Placed):
             send = torch.zeros(self.padded, dtype=dtype)
         for i, g in enumerate(grads):
             if g is not None:                      # rank r's rows into rank r's slot, padding left zero
-                self._copy_rows(g.reshape(self.shapes[i][0], -1), self._slots(send, i), into_rows=False)
+                self.copy_rows(g.reshape(self.shapes[i][0], -1), self._slots(send, i), into_rows=False)
         self.unit.free()                           # its backward is done: drop the gathered parameters first
         mine = reduce_scatter_ring(self.fsdp.comm, send, "avg", tag="fsdp_rs", inplace=True)
         with alloc_category("gradients"):
@@ -148,7 +148,7 @@ class ShardedGroup(Placed):
         return buf.view(-1, self.L)[:, o:o + c * rn].unflatten(1, (c, rn))
 
     @staticmethod
-    def _copy_rows(rows: torch.Tensor, slots: torch.Tensor, *, into_rows: bool) -> None:
+    def copy_rows(rows: torch.Tensor, slots: torch.Tensor, *, into_rows: bool) -> None:
         """Copy a parameter's d0 rows (d0, row numel) into every rank's slot (N, c, row numel), or back: the ranks
         that hold c real rows in one copy, the one that holds the rest in another (not one copy per rank)."""
         c = slots.shape[1]
@@ -159,7 +159,7 @@ class ShardedGroup(Placed):
 
 
 
-class _Unshard(torch.autograd.Function):
+class Unshard(torch.autograd.Function):
     """forward: a group's local shards → the unit's full parameters (all-gather + copy-out), one view per parameter.
     backward: the gradients of those views → each shard's gradient (reduce-scatter)."""
 

@@ -144,7 +144,7 @@ class Pipeline:
             yield ("grad", op.stage - 1, op.mb), self.schedule.rank_of(op.stage - 1)
 
     # ------------------------------------------------------------------ point to point
-    def _receive(self, key) -> None:
+    def receive(self, key) -> None:
         """Wait until message `key` has arrived (into `_arrived`): the op that needs it starts after this, so the
         wait shows as idle time, not as compute."""
         kind, stage, _ = key
@@ -164,7 +164,7 @@ class Pipeline:
             self._outbox.append(self.comm.isend(tensor, dst, tag=ACTIVATION_TAG if kind == "act" else GRADIENT_TAG))
 
     # ------------------------------------------------------------------ ops
-    def _forward(self, op: Op, batches, step: int) -> None:
+    def forward_op(self, op: Op, batches, step: int) -> None:
         if op.stage == 0:
             x = batches.get(step, op.mb)[0]                                  # (b, T) token ids
         else:
@@ -172,7 +172,7 @@ class Pipeline:
         targets = batches.get(step, op.mb)[1] if op.stage == self.last else None
         pending = [] if self.split else None
         with defer_weight_grads(pending) if self.split else contextlib.nullcontext():
-            out = self._stage_forward(op, x, targets)
+            out = self.stage_forward(op, x, targets)
         if op.stage == self.last:
             self._losses.append(out.detach())
             out = out * self.loss_scale      # 1/M: M micro-batch means → the gradient of the mean over all
@@ -182,21 +182,21 @@ class Pipeline:
         if self.split:
             self._pending[(op.stage, op.mb)] = pending
 
-    def _stage_forward(self, op: Op, x, targets):
+    def stage_forward(self, op: Op, x, targets):
         return self._model(x, targets, stage=op.stage)
 
-    def _backward(self, op: Op, batches, step: int) -> None:
+    def backward_op(self, op: Op, batches, step: int) -> None:
         x, out = self._live.pop((op.stage, op.mb))
         grad = None if op.stage == self.last else self._arrived.pop(("grad", op.stage, op.mb))
         torch.autograd.backward(out, grad)
         if op.stage > 0:
             self._send(x.grad, op)
-        self._after_backward(op, x, grad)
+        self.after_backward(op, x, grad)
 
-    def _after_backward(self, op: Op, x, grad) -> None:
+    def after_backward(self, op: Op, x, grad) -> None:
         """Nothing in a synchronous pipeline: the optimizer steps once all micro-batches are done (the flush)."""
 
-    def _weight(self, op: Op, batches, step: int) -> None:
+    def weight_op(self, op: Op, batches, step: int) -> None:
         run_weight_grads(self._pending.pop((op.stage, op.mb)))
 
     # ------------------------------------------------------------------ a step
@@ -214,12 +214,13 @@ class Pipeline:
         self._inbox, self._arrived, self._posted, self._outbox = {}, {}, dict.fromkeys(self._order, 0), []
         self._live, self._pending, self._losses = {}, {}, []
         phase = phase or (lambda name: contextlib.nullcontext())
-        run_op = {"F": (self._forward, "forward"), "B": (self._backward, "backward"), "W": (self._weight, "weight")}
+        run_op = {"F": (self.forward_op, "forward"), "B": (self.backward_op, "backward"),
+                  "W": (self.weight_op, "weight")}
         for op in self.ops:
             if op.kind == "F" and op.stage > 0:
-                self._receive(("act", op.stage, op.mb))
+                self.receive(("act", op.stage, op.mb))
             elif op.kind == "B" and op.stage < self.last:
-                self._receive(("grad", op.stage, op.mb))
+                self.receive(("grad", op.stage, op.mb))
             fn, name = run_op[op.kind]
             t0 = now()
             with phase(name):

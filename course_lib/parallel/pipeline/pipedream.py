@@ -60,7 +60,7 @@ class AsyncPipeline(Pipeline):
         with alloc_category(STASH):
             return {k: p.detach().clone().requires_grad_() for k, p in self.params.items()}
 
-    def _stage_forward(self, op, x, targets):
+    def stage_forward(self, op, x, targets):
         if self.check and self.mode != "2bw":
             with untracked():
                 self._kept[op.mb] = ({k: p.detach().clone() for k, p in self.params.items()}, x.detach(), targets)
@@ -77,7 +77,7 @@ class AsyncPipeline(Pipeline):
 
     # ------------------------------------------------------------------ after each backward: maybe update
     @torch.no_grad()
-    def _after_backward(self, op, x, grad) -> None:
+    def after_backward(self, op, x, grad) -> None:
         if self.mode == "naive":
             g = {k: p.grad for k, p in self.params.items()}
         elif self.mode == "stash":

@@ -171,7 +171,7 @@ def _holder():
     return lambda t: functools.partial(unpack, pack(t))
 
 
-class _LinearDeferredW(torch.autograd.Function):
+class LinearDeferredW(torch.autograd.Function):
     """y = x·Wᵀ + b whose backward returns only ∂L/∂x and leaves (W, b, x, ∂L/∂y) in `pending` for W. W and b come
     in a tuple, not as inputs autograd tracks: B does not touch their .grad, nor announce (with a hook) a gradient
     that is not there yet."""
@@ -204,7 +204,7 @@ class defer_weight_grads(TorchFunctionMode):
         if func is F.linear and args[0].requires_grad and torch.is_grad_enabled():
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _LinearDeferredW.apply(x, (weight, bias), self.pending)
+            return LinearDeferredW.apply(x, (weight, bias), self.pending)
         return func(*args, **kwargs)
 
 

@@ -166,7 +166,7 @@ def summa(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa") -> t
     return c
 
 
-def _bcast_reduce(grid: Grid, block, along: str, product, across: str, mine: str, tag: str) -> torch.Tensor:
+def bcast_reduce(grid: Grid, block, along: str, product, across: str, mine: str, tag: str) -> torch.Tensor:
     """For l = 0…q−1: broadcast `block` from group rank l `along` one axis, form product(received), and reduce the
     products `across` the other axis to group rank l. Returns the sum this rank is the root of (coordinate `mine`)."""
     out = None
@@ -180,16 +180,16 @@ def _bcast_reduce(grid: Grid, block, along: str, product, across: str, mine: str
 def summa_abt(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa_abt") -> torch.Tensor:
     """C = A·Bᵀ: for l = 0…q−1, B_lj goes down column j, each rank forms A_ij·B_ljᵀ and row i reduces the sum to
     rank (i, l), which owns C_il."""
-    return _bcast_reduce(grid, b, "col", lambda b_lj: a @ b_lj.T, "row", "j", tag)   # (R/q, N/q) @ (N/q, K/q)
+    return bcast_reduce(grid, b, "col", lambda b_lj: a @ b_lj.T, "row", "j", tag)   # (R/q, N/q) @ (N/q, K/q)
 
 
 def summa_atb(grid: Grid, a: torch.Tensor, b: torch.Tensor, tag: str = "summa_atb") -> torch.Tensor:
     """C = Aᵀ·B: for l = 0…q−1, A_il goes along row i, each rank forms A_ilᵀ·B_ij and column j reduces the sum to
     rank (l, j), which owns C_lj."""
-    return _bcast_reduce(grid, a, "row", lambda a_il: a_il.T @ b, "col", "i", tag)   # (K/q, R/q) @ (R/q, N/q)
+    return bcast_reduce(grid, a, "row", lambda a_il: a_il.T @ b, "col", "i", tag)   # (K/q, R/q) @ (R/q, N/q)
 
 
-class _Summa(torch.autograd.Function):
+class Summa(torch.autograd.Function):
     """Y = X·W by SUMMA on this rank's layer; backward by the A·Bᵀ and Aᵀ·B forms, then (2.5D) the dW blocks of
     the d layers are summed across the depth axis. Saves only this rank's blocks of X and W."""
 
@@ -224,7 +224,7 @@ def _scatter_rows(comm, block, tag):
     return out.view(block.shape[0] // comm.world_size, *block.shape[1:])
 
 
-class _Cube(torch.autograd.Function):
+class Cube(torch.autograd.Function):
     """Y = X·W on a q×q×q grid (3D): gather the blocks X_ik (along j) and W_kj (along i), multiply, reduce-scatter
     along k. Saves the gathered blocks (as Colossal-AI's `_Linear3D` does), so backward needs no second gather."""
 
@@ -263,7 +263,7 @@ class GridLinear(nn.Module):
         kind = self.grid.kind
         if kind == "1D":                                          # Megatron's column-parallel linear
             return f.apply(x, self.grid["p"], "f") @ self.weight
-        return (_Cube if kind == "3D" else _Summa).apply(x.contiguous(), self.weight, self.grid)
+        return (Cube if kind == "3D" else Summa).apply(x.contiguous(), self.weight, self.grid)
 
 
 # ============================================================================================ closed forms

@@ -294,7 +294,7 @@ class VocabParallelEmbedding(nn.Module):
         return g.apply(partial, self.comm, f"{self.tag}:g")
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from logits split by vocabulary, without ever assembling a (B·T, V) tensor.
 
     log-softmax needs two numbers per token that span the whole vocabulary — the max (for stability) and the sum
@@ -334,7 +334,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, co
     ≥ vocab_size are padding and count as −∞ (so the result equals the unpadded model's loss)."""
     flat = logits.reshape(-1, logits.shape[-1])                                         # (B·T, V/t)
     valid = min(max(vocab_size - start, 0), flat.shape[1])
-    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm, start, valid, tag).mean()
+    return VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm, start, valid, tag).mean()
 
 
 # ============================================================================================ closed forms

@@ -36,9 +36,10 @@ from __future__ import annotations
 from ...core.files import atomic_write, disk_full, fsync_dir  # noqa: F401  (re-exported: notebook 10 and lab 10 use them here)
 from .fileformat import (FORMAT, MANIFEST, META, CheckpointError, CheckpointMismatch, CheckpointWarning,  # noqa: F401
                                 CorruptCheckpoint, NoCheckpoint, list_checkpoints, step_name)
-from .load import Resumed, _fill, consolidate, find_latest, load, verify  # noqa: F401
+from .load import Resumed, _fill, consolidate, find_latest, load, verify, verify_files, verify_shapes  # noqa: F401
 from .save import Snapshot, agree_run_id, persist, save, snapshot  # noqa: F401
 
-__all__ = ["save", "load", "snapshot", "persist", "verify", "find_latest", "list_checkpoints", "atomic_write",
-           "fsync_dir", "disk_full", "consolidate", "agree_run_id", "step_name", "Snapshot", "Resumed", "CheckpointError",
-           "CorruptCheckpoint", "CheckpointMismatch", "NoCheckpoint", "CheckpointWarning", "FORMAT"]
+__all__ = ["save", "load", "snapshot", "persist", "verify", "verify_files", "verify_shapes", "find_latest",
+           "list_checkpoints", "atomic_write", "fsync_dir", "disk_full", "consolidate", "agree_run_id", "step_name",
+           "Snapshot", "Resumed", "CheckpointError", "CorruptCheckpoint", "CheckpointMismatch", "NoCheckpoint",
+           "CheckpointWarning", "FORMAT"]

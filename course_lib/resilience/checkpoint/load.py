@@ -34,6 +34,14 @@ def verify(path) -> dict:
     """Check checkpoint directory `path` against its manifest; return {file name: bytes}, or raise
     CorruptCheckpoint saying what is wrong."""
     path = Path(path)
+    data = verify_files(path)
+    verify_shapes(path, data)
+    return data
+
+
+def verify_files(path: Path) -> dict:
+    """The manifest exists and is this format; every file it lists is there with its size and sha256. Returns
+    {file name: bytes}."""
     try:
         manifest = json.loads((path / MANIFEST).read_bytes())
     except FileNotFoundError:
@@ -57,6 +65,11 @@ def verify(path) -> dict:
             raise CorruptCheckpoint(path, f"{name}'s sha256 differs from the manifest's: its bytes changed after "
                                           f"they were written (a flipped bit, a partial overwrite)")
         data[name] = blob
+    return data
+
+
+def verify_shapes(path: Path, data: dict) -> None:
+    """Every tensor piece in a rank's safetensors file has the shape its index and `meta.json` say."""
     if META not in data:
         raise CorruptCheckpoint(path, f"the manifest does not list {META}")
     tensors = json.loads(data[META])["tensors"]
@@ -72,7 +85,6 @@ def verify(path) -> dict:
                     or entry["start"] + shape[0] > total:
                 raise CorruptCheckpoint(path, f"wrong shapes: {file} holds {fkey} as {shape}, but its index and "
                                               f"{META} describe {entry['key']} as {entry['shape']} and {want}")
-    return data
 
 
 def find_latest(root, *, warn: bool = True) -> tuple[Path, dict, list]:

@@ -211,7 +211,7 @@ def forward_backward(model, batches, step: int, phase, *, sync=None) -> float:
     1/K so the sum is the mean over the K micro-batches), then the gradient synchronization of `sync` — what reduces
     the gradients: the model itself if it is a data-parallel wrapper (the default), or a ZeRO optimizer — whose
     `no_sync()` holds the reduction back until the last micro-batch."""
-    K = getattr(batches, "accum_steps", 1)
+    K = getattr(batches, "num_microbatches", 1)
     sync = model if sync is None else sync
     total = 0.0
     for micro in range(K):
@@ -232,7 +232,7 @@ def forward_backward(model, batches, step: int, phase, *, sync=None) -> float:
 
 def run(model, optimizer, batches, *, steps: int, probes=(), step_fn=forward_backward, progress: bool = False,
         desc: str = "train", keep_params: bool = False) -> Run:
-    """Train `steps` optimizer steps; see the module docstring. `batches` has `get(step, micro)` and `accum_steps`
+    """Train `steps` optimizer steps; see the module docstring. `batches` has `get(step, micro)` and `num_microbatches`
     (a `ShardedBatches`; `mesh.batches(...)` gives each dp rank its share)."""
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
@@ -287,7 +287,7 @@ def run(model, optimizer, batches, *, steps: int, probes=(), step_fn=forward_bac
             bar.close()
     inner = getattr(model, "module", model)        # a wrapper's names are the wrapped model's (no 'module.' prefix)
     params = {k: v.detach().clone() for k, v in inner.named_parameters()} if keep_params else {}
-    tokens = steps * getattr(batches, "accum_steps", 1) * getattr(batches, "micro_batch_size", 0) \
+    tokens = steps * getattr(batches, "num_microbatches", 1) * getattr(batches, "micro_batch_size", 0) \
         * getattr(batches, "seq_len", 0)
     return Run(losses, windows, phases, results, params, tokens)
 

@@ -99,6 +99,7 @@ def test_the_course_kernel_runs_one_openmp_thread():
     """`make test` pins OMP_NUM_THREADS=1; the kernel `make lab` registers must too, or a learner's notebook spins
     one OpenMP thread per core and runs several times slower whenever anything else uses the CPU."""
     from jupyter_client.kernelspec import KernelSpecManager
+
     from course_lib import COURSE_KERNEL
     spec = KernelSpecManager().get_kernel_spec(COURSE_KERNEL)
     assert spec.env.get("OMP_NUM_THREADS") == "1", f"{spec.resource_dir}/kernel.json: env is {spec.env}"

@@ -37,10 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="nano")
     args = ap.parse_args(argv)
     cfg = get_config(args.preset, n_layer=4, n_head=4)
-    plans = {"composed 2×2×2 ZeRO-1 1F1B": ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=4),
-             "pp=2 alone (dp=4)": ParallelPlan(pp=2, dp=4, microbatches=4),
-             "tp=2 alone (dp=4)": ParallelPlan(tp=2, dp=4, microbatches=4),
-             "ZeRO-1 alone (dp=8)": ParallelPlan(dp=8, zero=1, microbatches=2)}
+    plans = {"composed 2×2×2 ZeRO-1 1F1B": ParallelPlan(pp=2, dp=2, tp=2, zero=1, num_microbatches=4),
+             "pp=2 alone (dp=4)": ParallelPlan(pp=2, dp=4, num_microbatches=4),
+             "tp=2 alone (dp=4)": ParallelPlan(tp=2, dp=4, num_microbatches=4),
+             "ZeRO-1 alone (dp=8)": ParallelPlan(dp=8, zero=1, num_microbatches=2)}
     res = launch(_worker, 8, cfg, list(plans.values()), args.steps, timeout=600)
     step = {name: max(r[i] for r in res) for i, name in enumerate(plans)}      # a step ends with its slowest rank
     for name, s in step.items():

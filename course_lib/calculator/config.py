@@ -265,7 +265,7 @@ class Job:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
-    def microbatches(self) -> int:
+    def num_microbatches(self) -> int:
         """Micro-batches each data-parallel replica runs per step."""
         return self.batch // (self.dp * self.micro_batch)
 
@@ -357,8 +357,8 @@ def validate(model: Decoder, cluster: Cluster | None, job: Job, world: int | Non
         raise CalculatorError(f"the batch of {job.batch} sequences does not split into dp × micro_batch = "
                               f"{job.dp} × {job.micro_batch}; use a batch that is a multiple of "
                               f"{job.dp * job.micro_batch}")
-    if job.pp > 1 and job.schedule == "interleaved" and job.microbatches % job.pp:
-        raise CalculatorError(f"interleaved 1F1B runs micro-batches in rounds of pp={job.pp}: {job.microbatches} "
+    if job.pp > 1 and job.schedule == "interleaved" and job.num_microbatches % job.pp:
+        raise CalculatorError(f"interleaved 1F1B runs micro-batches in rounds of pp={job.pp}: {job.num_microbatches} "
                               f"micro-batches per replica is not a multiple; change batch or micro_batch")
     if job.zero == 3 and job.pp > 1:
         raise CalculatorError("zero=3 inside a pipeline gathers every stage's parameters once per micro-batch; use "

@@ -1,6 +1,6 @@
 """Memory per device, by category, for a decoder run as a `Job` on a `Cluster` (formulas §15.1–15.2).
 
-Model states are ZeRO's (Rajbhandari et al. SC'20 §5; the same formula as `parallel.zero.model_state_bytes`, which
+Model states are ZeRO's (Rajbhandari et al. SC'20 §5; the same formula as `parallel.zero.zero_state_bytes`, which
 the tests check this against, written here over a precision recipe so that the calculator imports no torch): with
 b_w, b_g bytes per parameter for weights and gradients and b_o for the fp32 master plus the optimizer state
 (`config.RECIPES`; mixed-precision Adam 2 + 2 + (4 + 8)), a device holding Ψ_d parameters keeps b_w·Ψ_d (÷N at
@@ -168,7 +168,7 @@ def in_flight_chunks(schedule: str, S: int, M: int, v: int, r: int) -> int:
 
 def in_flight_microbatches(job: Job, r: int = 0) -> float:
     """How many micro-batches' worth of its layers' activations pipeline rank r holds at its peak."""
-    return in_flight_chunks(job.schedule, job.pp, job.microbatches, job.chunks, r) / job.chunks
+    return in_flight_chunks(job.schedule, job.pp, job.num_microbatches, job.chunks, r) / job.chunks
 
 
 def rank_activation_bytes(m: Decoder, job: Job, r: int) -> float:

@@ -85,7 +85,7 @@ def _splits(n_layer: int, stages: int) -> bool:
 
 def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload: bool = False,
                recompute=(None, "selective", "full"), sequence_parallel: bool = True, zeros=(1, 3),
-               schedules=("1f1b", "interleaved"), max_chunks: int = MAX_CHUNKS, micro_batches=(1, 2, 4, 8),
+               schedules=("1f1b", "interleaved"), max_chunks: int = MAX_CHUNKS, micro_batch_sizes=(1, 2, 4, 8),
                overlap_dp: bool = True, precision: str = "bf16", flash_attention: bool = False,
                overlap_ep: bool = False):
     """Every Job the planner considers; the keywords restrict it to a technique set (e.g. a 2021 paper's:
@@ -102,7 +102,7 @@ def candidates(m: Decoder, cluster: Cluster, batch: int, world: int, *, offload:
                 dp = world // (tp * pp * cp)
                 per_stage = -(-m.n_layer // pp)               # ⌈L/pp⌉: the even split's, or the ends-lighter one's
                 eps = [e for e in _divisors(dp) if m.n_expert and m.n_expert % e == 0] or [1]
-                for mb in micro_batches:
+                for mb in micro_batch_sizes:
                     if batch % (dp * mb):
                         continue
                     for zero in (z for z in zeros if z < 3 or pp == 1):

@@ -326,13 +326,13 @@ POST_HOC = {("Narayanan SC'21 Table 1", "1.7B"): _without_score_maps,
 def _head_stage(r: dict, eff: Efficiency) -> str:
     t = r["stage_times"]
     return (f"the LM head on the last of {len(t)} stages makes it {t[-1] / t[0] - 1:.0%} slower than the others, which "
-            f"the model charges to all {r['job'].microbatches} micro-batches (bubble {r['parts']['bubble']:.1f} s); "
+            f"the model charges to all {r['job'].num_microbatches} micro-batches (bubble {r['parts']['bubble']:.1f} s); "
             f"the run's own split is not printed")
 
 
 def _llama_bubble(r: dict, eff: Efficiency) -> str:
     p = r["parts"]
-    return (f"{r['job'].microbatches} micro-batches on {r['job'].pp} × {r['job'].chunks} stages: the modeled bubble "
+    return (f"{r['job'].num_microbatches} micro-batches on {r['job'].pp} × {r['job'].chunks} stages: the modeled bubble "
             f"({p['bubble']:.2f} s, {p['bubble'] / p['compute']:.0%} of compute) and the FP32 reduce-scatter left "
             f"exposed ({p['dp']:.2f} s) are the excess; Meta's schedule is not printed")
 

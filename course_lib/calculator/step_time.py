@@ -147,7 +147,7 @@ def layer_score_map_bytes(m: Decoder, job: Job) -> float:
 
 def score_map_bytes(m: Decoder, job: Job) -> float:
     """`layer_score_map_bytes` over a step of the mean pipeline rank: × layers ÷ pp × micro-batches."""
-    return layer_score_map_bytes(m, job) * m.n_layer / job.pp * job.microbatches
+    return layer_score_map_bytes(m, job) * m.n_layer / job.pp * job.num_microbatches
 
 
 def score_map_seconds(m: Decoder, job: Job, cluster: Cluster) -> float:
@@ -294,7 +294,7 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
     validate(m, cluster, job)
     rc = RECIPES[job.precision]
     act_b = rc.activation
-    M, b = job.microbatches, job.micro_batch
+    M, b = job.num_microbatches, job.micro_batch
     s_loc = m.seq_len // job.cp
     tokens = job.batch * m.seq_len
     fl = flops_per_token(m, job.recompute)

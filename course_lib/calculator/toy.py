@@ -15,7 +15,7 @@ Model states per rank, as the memory accountant books them after an optimizer st
 element; P the padded elements of K ZeRO buckets; Ψ_r the elements this rank holds in n tensors):
 
     zero 0    parameters e·Ψ_r    gradients e·Ψ_r      optimizer 2e·Ψ_r + 4n      (m, v; a 4-byte step per tensor)
-    zero 1    e·P                 e·P                  2e·P/N + 4K                (`zero.model_state_bytes` + steps)
+    zero 1    e·P                 e·P                  2e·P/N + 4K                (`zero.zero_state_bytes` + steps)
     zero 2    e·P                 e·P/N                2e·P/N + 4K
     zero 3    e·P/N               e·P/N                2e·Ψ_r + 4n               (FSDP's shards, Ψ_r = local_numel)
 
@@ -113,7 +113,7 @@ def rank_layout(cfg, plan, tc, rank: int, dtype=torch.float32) -> dict:
         model = apply_tp(model, LayoutComm(c["tp"], plan.tp, "tp"), sequence_parallel=plan.sequence_parallel)
     layout = None
     if plan.pp > 1:
-        layout = plan_pipeline(cfg, plan.pp, plan.microbatches, plan.schedule, chunks=plan.chunks)
+        layout = plan_pipeline(cfg, plan.pp, plan.num_microbatches, plan.schedule, chunks=plan.chunks)
         s = layout.schedule
         model = PipelineStage(model, s.stages_of(c["pp"]), layout.bounds, s.num_virtual_stages)
     n_blocks = len(model.blocks)
@@ -129,7 +129,7 @@ def rank_layout(cfg, plan, tc, rank: int, dtype=torch.float32) -> dict:
     elif N > 1:
         reducer = apply_dp(model, group, kind="bucket", broadcast=False)
     return {"coords": c, "model": model, "pipeline": layout, "recompute_plan": recompute, "reducer": reducer,
-            "dp_group": name, "micro_batch_size": tc.batch_size // (plan.dp * plan.microbatches),
+            "dp_group": name, "micro_batch_size": tc.batch_size // (plan.dp * plan.num_microbatches),
             "elem": torch.finfo(dtype).bits // 8}
 
 
@@ -137,11 +137,11 @@ def model_state_memory(lay: dict, plan) -> dict:
     """Parameters, gradients and optimizer state (bytes) the memory accountant books on this rank after a step
     (module docstring's table)."""
     from ..parallel.fsdp import FSDP
-    from ..parallel.zero import ShardedOptimizer, model_state_bytes
+    from ..parallel.zero import ShardedOptimizer, zero_state_bytes
     e, red = lay["elem"], lay["reducer"]
     if isinstance(red, ShardedOptimizer):
         N = red.comm.world_size
-        out = model_state_bytes(red.padded_numel, N, plan.zero, param=e, grad=e, optim=2 * e)
+        out = zero_state_bytes(red.padded_numel, N, plan.zero, param=e, grad=e, optim=2 * e)
         out["optimizer"] += 4 * red.num_shards
         return out
     if isinstance(red, FSDP):
@@ -151,7 +151,7 @@ def model_state_memory(lay: dict, plan) -> dict:
                 "optimizer": 2 * e * red.local_numel + 4 * n}
     params = list(dict.fromkeys(p for p in lay["model"].parameters() if p.requires_grad))
     psi = sum(p.numel() for p in params)
-    out = model_state_bytes(psi, 1, 0, param=e, grad=e, optim=2 * e)
+    out = zero_state_bytes(psi, 1, 0, param=e, grad=e, optim=2 * e)
     out["optimizer"] += 4 * len(params)
     return out
 
@@ -205,7 +205,7 @@ def modeled_step(cfg, plan, tc, op_costs: dict, link, messages: dict | None = No
     from ..parallel.pipeline.executor import plan_pipeline
     from .step_time import pipeline_factor
     out = []
-    M = plan.microbatches
+    M = plan.num_microbatches
     pipe = plan_pipeline(cfg, plan.pp, M, plan.schedule, chunks=plan.chunks) if plan.pp > 1 else None
     for r in expected(cfg, plan, tc):
         parts = pipe.parts(r["coords"]["pp"]) if pipe is not None else {"layers": cfg.n_layer, "embed": True,

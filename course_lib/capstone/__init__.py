@@ -3,7 +3,7 @@ ways — equality with the single-process run of the same recipe, ledger bytes p
 of the techniques' formulas, model-state memory per rank against ZeRO's formula, and matmul FLOPs per rank (what
 recomputation and every other technique add to the work).
 
-    jobs = [Job("5D", ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=2, recompute="selective"), cfg, tc)]
+    jobs = [Job("5D", ParallelPlan(pp=2, dp=2, tp=2, zero=1, num_microbatches=2, recompute="selective"), cfg, tc)]
     refs = [reference_run(j)[1] for j in jobs]                       # one process, the same recipe
     res = launch(capstone_worker, 8, jobs, refs)                     # res[rank][job]: a dict (see `run_job`)
 
@@ -14,7 +14,7 @@ The same worker runs unchanged under torchrun (each process computes the referen
 Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12;
 under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's all-to-all bytes
 from the routing counts of each step (`Parallelized.expected_bytes_per_step`, §12.3–12.4); model states are ZeRO's
-Ψ·(e_p + e_g + K) divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
+Ψ·(e_p + e_g + K) divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.zero_state_bytes`)
 plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
 grids are in `course_lib.capstone.survey`, the pictures in `course_lib.capstone.plots`.
 """
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..composer.parallelize import parallelize
+from ..composer.plan import ParallelPlan
+from ..core.model import GPT, GPTConfig, get_config
 from ..distributed.mesh import Mesh
 from ..memopt.recompute.measured import activation_peak
-from ..core.model import GPT, GPTConfig, get_config
-from ..composer.plan import ParallelPlan
-from ..composer.parallelize import parallelize
 from ..parallel.expert import aux_loss_per_step
 from ..train import LedgerProbe, MemoryProbe, TrainConfig
 
@@ -75,6 +75,7 @@ def reference_run(job: Job) -> tuple:
     recipe runs through `parallelize` on a world of one rank (its casts and fp32 masters, nothing split); call it
     from the caller, not inside a rank."""
     from torch.utils.flop_counter import FlopCounterMode
+
     from ..parallel.expert import set_moe_groups
     from ..train import train_reference
     if job.plan.precision is not None:
@@ -83,7 +84,7 @@ def reference_run(job: Job) -> tuple:
     with _default_dtype(DTYPES[job.dtype]):
         model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
         if job.cfg.n_expert:
-            set_moe_groups(model, job.plan.dp * job.plan.microbatches,      # one capacity group per micro-batch
+            set_moe_groups(model, job.plan.dp * job.plan.num_microbatches,      # one capacity group per micro-batch
                            cp=job.plan.cp, layout=job.plan.cp_layout,        # (and per cp rank's tokens of it,
                            tp=job.plan.tp if job.plan.sequence_parallel else 1)    # SP's slice of those)
         with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
@@ -133,7 +134,7 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
     steps whose gradients overflowed (`layout['stepped']`). Optimizer offload moves the whole optimizer off the
     device."""
     from ..memopt.precision.recipes import get_recipe
-    from ..parallel.zero import model_state_bytes
+    from ..parallel.zero import zero_state_bytes
     if layout.get("parts"):     # experts under ZeRO: the formula once per part, each over its own group (dp, edp)
         each = [state_formula(plan, {**part, "stepped": layout.get("stepped", True)}, model_elem, step_elem)
                 for part in layout["parts"]]
@@ -146,7 +147,7 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
     n = layout.get("n", plan.dp * plan.cp)     # the group ZeRO shards over (a part's own, under experts)
     if plan.zero == 3 and master:              # FSDP under bf16: the fp32 shards are the masters and the parameters
         e_c, master = 4, 0
-    out = model_state_bytes(layout["P"], n, plan.zero, param=e_c, grad=e_c, optim=0)
+    out = zero_state_bytes(layout["P"], n, plan.zero, param=e_c, grad=e_c, optim=0)
     for c in ("parameters", "gradients"):      # FSDP: what it leaves whole on every rank (fsdp_replicate)
         out[c] += e_c * layout.get("R", 0)
     stepped = layout.get("stepped", True)
@@ -209,7 +210,7 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
             wants = [{g: n for g, n in s.items() if n} for s in p.expected_bytes_per_step(job.tc.steps)]
             out = {"losses": run.losses, "coords": mesh.coords,
                    # a pipeline's last stage reports its cross-entropy; each rank's share of the load-balancing loss
-                   "aux": aux_loss_per_step(p.model, job.cfg, plan.microbatches) if plan.ep > 1 else None,
+                   "aux": aux_loss_per_step(p.model, job.cfg, plan.num_microbatches) if plan.ep > 1 else None,
                    "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
                    "want": wants, "layout": _layout(p),
                    "state": {c: run["memory"]["after_step"][-1][c] for c in STATES},
@@ -280,7 +281,7 @@ def capstone_jobs(steps: int = 2, world_size: int = 8, seed: int = 0) -> list:
     cfg = get_config("nano", **CONFIG)
     shape = composed_shape(world_size)
     tc = TrainConfig(steps=steps, batch_size=4 * shape["dp"], lr=2e-3, seed=seed, data_seed=seed)
-    plan = dict(**shape, zero=1, schedule="1f1b", microbatches=2, recompute="selective")
+    plan = dict(**shape, zero=1, schedule="1f1b", num_microbatches=2, recompute="selective")
     return [Job("composed, float64", ParallelPlan(**plan), cfg, tc, "float64", timeline=True),
             Job("composed, bf16", ParallelPlan(**plan, precision="bf16"), cfg, tc, "float32")]
 
@@ -292,9 +293,9 @@ def shape_jobs(steps: int = 2, seed: int = 0) -> list:
     the per-rank ledger kept for a timeline."""
     cfg = get_config("nano", **CONFIG)
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
-    return [Job("PP × CP", ParallelPlan(pp=2, cp=2, zero=1, microbatches=2), cfg, tc),
+    return [Job("PP × CP", ParallelPlan(pp=2, cp=2, zero=1, num_microbatches=2), cfg, tc),
             Job("CP × TP", ParallelPlan(cp=2, tp=2, zero=1, sequence_parallel=True), cfg, tc),
-            Job("PP × EP × ZeRO-1", ParallelPlan(pp=2, dp=2, ep=2, zero=1, microbatches=2), MOE, tc, timeline=True)]
+            Job("PP × EP × ZeRO-1", ParallelPlan(pp=2, dp=2, ep=2, zero=1, num_microbatches=2), MOE, tc, timeline=True)]
 
 
 def llama3_job(steps: int = 2, seed: int = 0) -> Job:
@@ -302,7 +303,7 @@ def llama3_job(steps: int = 2, seed: int = 0) -> Job:
     at 2: pp × dp × cp × tp = 16 ranks, ZeRO-1 over dp × cp, sequence parallelism, 1F1B; float64, with the ledger."""
     cfg = get_config("nano", **CONFIG)
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
-    return Job("4D (Llama 3)", ParallelPlan(pp=2, dp=2, cp=2, tp=2, zero=1, sequence_parallel=True, microbatches=2),
+    return Job("4D (Llama 3)", ParallelPlan(pp=2, dp=2, cp=2, tp=2, zero=1, sequence_parallel=True, num_microbatches=2),
                cfg, tc, timeline=True)
 
 

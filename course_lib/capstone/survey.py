@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import CONFIG, DTYPES, MOE, Job, run_job
-from ..core.model import get_config
 from ..composer.plan import ParallelPlan
+from ..core.model import get_config
 from ..train import TrainConfig
+from . import CONFIG, DTYPES, MOE, Job, run_job
 
 SURVEY_WORLD = 2
 
@@ -30,7 +30,7 @@ def survey_jobs(steps: int = 1, seed: int = 0, root: str | None = None) -> list:
     cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
     P = ParallelPlan
-    pipe = dict(pp=2, zero=1, microbatches=2)
+    pipe = dict(pp=2, zero=1, num_microbatches=2)
     rows = [("DDP", P(dp=2)), ("ZeRO-1", P(dp=2, zero=1)), ("ZeRO-2", P(dp=2, zero=2)), ("ZeRO-3", P(dp=2, zero=3)),
             ("FSDP, norms+biases replicated", P(dp=2, zero=3, fsdp_replicate="norms+biases")),
             ("pipeline GPipe", P(**pipe, schedule="gpipe")), ("pipeline 1F1B", P(**pipe)),
@@ -66,8 +66,8 @@ def extra_flops(job: Job) -> int:
     if plan.recompute is not None:
         return plan_extra(make_plan(plan.recompute, cfg.n_layer), formula_costs(cfg, B))
     if plan.cp > 1:
-        b = B // (plan.dp * plan.microbatches)
-        per_rank = cfg.n_layer * plan.microbatches * plan.cp * 2 * b * (cfg.seq_len // plan.cp) ** 2 * cfg.d_model
+        b = B // (plan.dp * plan.num_microbatches)
+        per_rank = cfg.n_layer * plan.num_microbatches * plan.cp * 2 * b * (cfg.seq_len // plan.cp) ** 2 * cfg.d_model
         return per_rank * plan.world_size
     return 0
 
@@ -86,21 +86,21 @@ NO_ACTIVATION_FORMULA = {
 }
 
 
-def activation_formula(job: Job, coords: dict) -> "tuple[int | None, str]":
+def activation_formula(job: Job, coords: dict) -> tuple[int | None, str]:
     """(bytes, source): the activation peak — bytes saved for backward plus what a recomputation rebuilds, at the
     busiest moment — that the course's closed forms predict for `job` on the rank at mesh `coords`, and which
     formula gave it; (None, why) where the course has none (`NO_ACTIVATION_FORMULA`). Every rank holds
     b = batch / (dp · micro-batches) sequences at a time (tp and cp ranks share theirs)."""
+    from ..core.model import activation_bytes
     from ..memopt.offload.activations import offloaded_activation_peak
     from ..memopt.recompute import make_plan
     from ..memopt.recompute.costs import formula_costs, plan_peak
     from ..memopt.recompute.pipeline import pipeline_peaks
-    from ..core.model import activation_bytes
     from ..parallel.context import cp_activation_bytes
     from ..parallel.pipeline.executor import plan_pipeline
     from ..parallel.tensor import tp_activation_bytes
     plan, cfg = job.plan, job.cfg
-    b = job.tc.batch_size // (plan.dp * plan.microbatches)
+    b = job.tc.batch_size // (plan.dp * plan.num_microbatches)
     mixed = plan.precision in ("bf16", "fp16")
     e = 2 if mixed else DTYPES[job.dtype].itemsize
     others = plan.tp > 1 or plan.cp > 1 or plan.pp > 1 or plan.recompute is not None or plan.offload_activations
@@ -121,7 +121,7 @@ def activation_formula(job: Job, coords: dict) -> "tuple[int | None, str]":
         return offloaded_activation_peak(cfg, b, elem_bytes=e), "offloaded_activation_peak"
     costs, policy = formula_costs(cfg, b, elem_bytes=e), plan.recompute or "none"
     if plan.pp > 1:
-        layout = plan_pipeline(cfg, plan.pp, plan.microbatches, plan.schedule, chunks=plan.chunks, layers=plan.layers)
+        layout = plan_pipeline(cfg, plan.pp, plan.num_microbatches, plan.schedule, chunks=plan.chunks, layers=plan.layers)
         return pipeline_peaks(layout.schedule, layout.bounds, costs, policy)[coords["pp"]], "pipeline_peaks"
     return plan_peak(make_plan(policy, cfg.n_layer), costs), "plan_peak"
 
@@ -141,6 +141,7 @@ def run_grid(ctx, job: GridJob) -> dict:
     """Forward + backward of `GridLinear` on this rank (float64): error against nn.Linear, bytes sent, parameters
     and saved activations held (the memory accountant), matmul FLOPs."""
     from torch.utils.flop_counter import FlopCounterMode
+
     from ..memory import MemoryTracker
     from ..parallel.tensor import GridLinear, make_grid
     g = torch.Generator().manual_seed(0)
@@ -172,6 +173,7 @@ def redundant_worker(ctx, cfg, tc, num_microbatches: int = 2) -> dict:
     rank, the bytes of the replica's gradients it sent, and the elements of its replica. Run under
     `launch(..., allow_deaths=True)`, as `train_redundant` asks."""
     from torch.utils.flop_counter import FlopCounterMode
+
     from ..resilience.redundant import GRAD_TAG, train_redundant
     ctx.comm.ledger.reset()
     with FlopCounterMode(display=False) as flops:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import optim
 from ..core.data import ShardedBatches
 from ..core.model import GPT, get_config
-from ..parallel import dp as D
 from ..distributed.mesh import data_parallel_batches
-from .. import optim
+from ..parallel import dp as D
 from ..train import GradProbe, Probe, TrainConfig, optimizer_kwargs, run, train_reference
 from . import NOT_IMPLEMENTED, check, run_ranks
 
@@ -141,11 +141,11 @@ class _SyncProbe(Probe):
         return self.per_step
 
 
-def _accumulation_worker(ctx, accumulation_step, cfg, tc, accum_steps, bucket_cap_bytes):
+def _accumulation_worker(ctx, accumulation_step, cfg, tc, num_microbatches, bucket_cap_bytes):
     model = GPT(cfg, seed=tc.seed).to(DTYPE)
     ddp = _CountingOverlap(model, ctx.comm, bucket_cap_bytes=bucket_cap_bytes)   # hooks talk during backward
     optimizer = optim.build(model, **optimizer_kwargs(tc))
-    batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, accum_steps=accum_steps, seed=tc.data_seed)
+    batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, num_microbatches=num_microbatches, seed=tc.data_seed)
     probes = [_SyncProbe(ddp), _GradTraffic(ctx.comm), GradProbe(at_step=0)]
     out = {"n_buckets": len(ddp.buckets), "expect": (ddp.expected_bytes_sent(), ddp.expected_messages()),
            "error": None}
@@ -163,17 +163,17 @@ def _accumulation_worker(ctx, accumulation_step, cfg, tc, accum_steps, bucket_ca
 
 
 def check_accumulation(accumulation_step, *, world_size: int = 2, preset: str = "nano", micro_batch_size: int = 4,
-                       accum_steps: int = 2, steps: int = 6, seed: int = 0,
+                       num_microbatches: int = 2, steps: int = 6, seed: int = 0,
                        bucket_cap_bytes: int = D.DEFAULT_BUCKET_CAP_BYTES) -> None:
     """`accumulation_step(model, batches, step, phase)` as the step function of `train.run`, around an overlapped
-    DDP wrapper, == one process on the global batch of world_size × micro_batch_size × accum_steps sequences, with
+    DDP wrapper, == one process on the global batch of world_size × micro_batch_size × num_microbatches sequences, with
     exactly one synchronization per optimizer step, started by the last micro-step's backward."""
     cfg = get_config(preset)
-    tc = TrainConfig(steps=steps, batch_size=world_size * micro_batch_size * accum_steps, seed=seed, data_seed=seed)
-    K = accum_steps
+    tc = TrainConfig(steps=steps, batch_size=world_size * micro_batch_size * num_microbatches, seed=seed, data_seed=seed)
+    K = num_microbatches
     with check("accumulation_sync") as c:
-        c.expect(K >= 2, f"accum_steps={K}: accumulation needs at least 2 micro-steps",
-                 hint="pass accum_steps >= 2 (ACCUM_STEPS in the parameters cell)")
+        c.expect(K >= 2, f"num_microbatches={K}: accumulation needs at least 2 micro-steps",
+                 hint="pass num_microbatches >= 2 (ACCUM_STEPS in the parameters cell)")
         results = _run(c, _accumulation_worker, world_size, accumulation_step, cfg, tc, K, bucket_cap_bytes)
         for r, res in enumerate(results):
             n = res["n_buckets"]
@@ -220,10 +220,10 @@ def check_accumulation(accumulation_step, *, world_size: int = 2, preset: str = 
                      hint="backward() every micro-batch's loss and synchronize before the step function returns")
             d, s = _max_diff(res["grads"], ref_grads), _ratio(res["grads"], ref_grads)
             hint = (f"your gradient is {s:.3f}× the reference's, i.e. K = {K} times too large: backpropagate "
-                    f"loss / accum_steps, so the K accumulated gradients sum to the mean" if _near(s, K) else
+                    f"loss / num_microbatches, so the K accumulated gradients sum to the mean" if _near(s, K) else
                     f"your gradient is {s:.3f}× the reference's, i.e. divided by K = {K} twice" if _near(s, 1 / K) else
                     f"your gradient is {s:.3f}× the reference's (closest scale): every micro-batch must be "
-                    f"backpropagated once, scaled by 1/accum_steps, between the same zero_grad() and step()")
+                    f"backpropagated once, scaled by 1/num_microbatches, between the same zero_grad() and step()")
             c.expect(d < GRAD_TOL, f"rank {r}: the gradient at the first optimizer.step() differs from one "
                                    f"process's gradient on the {tc.batch_size}-sequence global batch by up to {d:.2e}",
                      hint=hint)
@@ -256,7 +256,7 @@ class UnevenBatches:
 
     def __init__(self, seq_len: int, sizes, rank: int, seed: int = 0):
         self.sizes, self.rank, self.seq_len = list(sizes), rank, seq_len
-        self.accum_steps, self.micro_batch_size = 1, self.sizes[rank]
+        self.num_microbatches, self.micro_batch_size = 1, self.sizes[rank]
         self.start = sum(self.sizes[:rank])
         self.data = ShardedBatches(seq_len, sum(self.sizes), seed=seed)
 
@@ -327,8 +327,8 @@ def check_token_weighted(cls, *, world_size: int = 3, preset: str = "nano", step
                 c.expect(tuple(got) == tuple(want),
                          f"rank {r}, step {step}: {got[0]:,} gradient bytes in {got[1]} messages under the tag "
                          f"{D.GRAD_TAG!r}; the bucketed all-reduce sends {want[0]:,} B in {want[1]} messages",
-                         hint=f"reduce each bucket once, with collectives.all_reduce(..., algorithm=self.algorithm, "
-                              f"tag=D.GRAD_TAG); the token count must travel under another tag")
+                         hint="reduce each bucket once, with collectives.all_reduce(..., algorithm=self.algorithm, "
+                              "tag=D.GRAD_TAG); the token count must travel under another tag")
         c.passed(f"{results[0]['plain']['expect'][0]:,} B in {results[0]['plain']['expect'][1]} messages per step on "
                  f"rank 0, the same as DataParallelBucket")
     with check("token_weighted_training") as c:

@@ -117,7 +117,7 @@ def _trains(ctx, one_f_one_b, M):
     mesh = Mesh(ctx.comm, pp=ctx.world_size)
     tc = TrainConfig(steps=1, batch_size=2 * M)
     from ..composer.parallelize import ParallelPlan, parallelize
-    plan = ParallelPlan(pp=ctx.world_size, schedule=one_f_one_b, microbatches=M)    # the learner's schedule
+    plan = ParallelPlan(pp=ctx.world_size, schedule=one_f_one_b, num_microbatches=M)    # the learner's schedule
     with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train_config=tc) as job:
         run = job.train(tc.steps, probes=[GradProbe()])
     return {"grads": run["grads"], "loss": run.losses[0], "sent": ctx.comm.ledger.bytes_sent(group="pp")}

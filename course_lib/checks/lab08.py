@@ -23,13 +23,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
+from .. import optim
 from ..core.data import ShardedBatches
+from ..core.model import GPT, block_activation_bytes, get_config
 from ..memopt.recompute import Plan, Unit, apply_recompute, checkpoint, make_plan, torch_policy
 from ..memopt.recompute.costs import BlockCost, ChainCosts, formula_costs, plan_extra, plan_peak
 from ..memopt.recompute.measured import FlopProbe, activation_peak
 from ..memory import MemoryTracker
-from ..core.model import GPT, block_activation_bytes, get_config
-from .. import optim
 from ..train import GradProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
 from . import check
 

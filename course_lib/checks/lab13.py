@@ -96,14 +96,14 @@ def check_choice(choose) -> Job:
 def _want(job: Job):
     from ..composer.plan import ParallelPlan
     return ParallelPlan(dp=job.dp, tp=job.tp, pp=job.pp, zero=job.zero, schedule=job.schedule, chunks=job.chunks,
-                        microbatches=job.microbatches, sequence_parallel=job.sequence_parallel,
+                        num_microbatches=job.num_microbatches, sequence_parallel=job.sequence_parallel,
                         recompute=job.recompute)
 
 
 # the hint for a field of the plan that differs from the job's; a field not named here keeps its default
 _FIELD_HINTS = {"dp": "dp=job.dp", "tp": "tp=job.tp", "pp": "pp=job.pp", "zero": "zero=job.zero",
                 "schedule": "schedule=job.schedule", "chunks": "chunks=job.chunks",
-                "microbatches": "job.microbatches is batch ÷ (dp × micro_batch): each replica's micro-batches, not "
+                "num_microbatches": "job.num_microbatches is batch ÷ (dp × micro_batch): each replica's micro-batches, not "
                                 "its sequences",
                 "sequence_parallel": "sequence_parallel=job.sequence_parallel", "recompute": "recompute=job.recompute",
                 "precision": "leave precision=None: the toy runs in float64 so that it can equal one process to "
@@ -161,7 +161,7 @@ def check_toy_run(toy_plan, choose, world_size: int = WORLD, seed: int = 0) -> N
         job = choose(MODEL, cluster(), BATCH, WORLD)
         plan = _check_plan(c, toy_plan, job)
         cfg = get_config("nano", **TOY)
-        batch = plan.dp * plan.microbatches                  # one toy sequence per micro-batch
+        batch = plan.dp * plan.num_microbatches                  # one toy sequence per micro-batch
         plan.check(cfg, world_size, batch_size=batch)
         torch.set_default_dtype(torch.float64)
         try:

@@ -121,7 +121,7 @@ def _left_on_device(plan):
 def check_plan(plan_fn) -> None:
     """Run `plan_fn(S)` (S = 5 stages of the uneven GPT) on the simulated accelerator; see the module docstring."""
     with check("plan") as c:
-        batches = MB.micro_batches(CFG, M, B)
+        batches = MB.random_batches(CFG, M, B)
         model = GPT(CFG, seed=0)
         bounds = [(u, u + 1) for u in range(CFG.n_layer + 2)]
         S = len(bounds)
@@ -177,9 +177,9 @@ def check_plan(plan_fn) -> None:
         c.expect(not bad, f"gradients differ from the reference in {bad[:3]}")
         fwd = [b / 1e9 for b in P]                        # stated costs: 1 s per GB of a stage's parameters
         link = MB.Link("stated link", 0.0, 0.5e9)         # a load takes twice its stage's forward
-        mine = MB.mobius_timeline(P, fwd, [3 * f for f in fwd], boundary_bytes=BOUNDARY, n_micro=M, link=link,
+        mine = MB.mobius_timeline(P, fwd, [3 * f for f in fwd], boundary_bytes=BOUNDARY, num_microbatches=M, link=link,
                                   plan=plan)
-        best = MB.mobius_timeline(P, fwd, [3 * f for f in fwd], boundary_bytes=BOUNDARY, n_micro=M, link=link)
+        best = MB.mobius_timeline(P, fwd, [3 * f for f in fwd], boundary_bytes=BOUNDARY, num_microbatches=M, link=link)
         c.expect(mine.total <= best.total * (1 + 1e-12),
                  f"the modeled step takes {mine.total * 1e3:.3f} ms, {(mine.total / best.total - 1) * 100:.0f}% "
                  f"longer than with one-ahead prefetch ({best.total * 1e3:.3f} ms): loads wait for the compute "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int, pipeline=None,
                    recompute_plan=None, reducer=None, dp_group: str = "dp", loss_elem: int | None = None) -> dict:
-    """{axis: bytes} this rank sends per step. `plan` reads like `ParallelPlan` (pp, tp, cp, microbatches,
+    """{axis: bytes} this rank sends per step. `plan` reads like `ParallelPlan` (pp, tp, cp, num_microbatches,
     sequence_parallel, recompute); `coords` are the rank's mesh coordinates ({'pp': …, 'tp': …}); `pipeline` the
     `PipelineLayout` (pp > 1), `recompute_plan` the `RecomputePlan` of this rank's blocks (recompute set),
     `reducer` whatever reduces the gradients over dp × cp (or None); `loss_elem` the element size of the logits the
@@ -32,7 +32,7 @@ def bytes_per_step(cfg, plan, coords: dict, *, micro_batch_size: int, elem: int,
     from ..parallel.context import ring_bytes_per_layer
     from ..parallel.pipeline.executor import boundary_bytes
     from ..parallel.tensor import tp_bytes_per_step
-    M, T, d, b, e = plan.microbatches, cfg.seq_len, cfg.d_model, micro_batch_size, elem
+    M, T, d, b, e = plan.num_microbatches, cfg.seq_len, cfg.d_model, micro_batch_size, elem
     out = {}
     if plan.pp > 1:
         out["pp"] = boundary_bytes(pipeline, b, T // plan.cp, d, e, tp_size=plan.tp,     # T/cp: CP's tokens

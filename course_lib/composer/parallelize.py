@@ -1,6 +1,6 @@
 """`parallelize(model, mesh, plan)`: every technique of the course on one rank, in the one order they compose in.
 
-    plan = ParallelPlan(pp=2, dp=2, tp=2, zero=1, microbatches=4, recompute="selective", precision="bf16")
+    plan = ParallelPlan(pp=2, dp=2, tp=2, zero=1, num_microbatches=4, recompute="selective", precision="bf16")
     with parallelize(GPT(cfg, seed=0), Mesh(ctx.comm, pp=2, dp=2, tp=2), plan, train_config=tc) as job:
         run = job.train(steps=2, probes=[LedgerProbe(ctx.comm)])
         job.expected_bytes          # {'pp': …, 'dp': …, 'tp': …} per step, from each technique's formula
@@ -27,12 +27,12 @@ import torch
 from .. import optim
 from ..core.handles import handle_of, handles
 from ..core.model import GPT
+from ..core.moe import attach_aux_losses
 from ..distributed.mesh import Mesh, axis_comm
 from ..memopt.offload import apply_offload
 from ..memopt.precision import apply_precision
 from ..memopt.recompute import apply_recompute
 from ..parallel.context import apply_cp
-from ..core.moe import attach_aux_losses
 from ..parallel.expert import apply_ep, apply_expert_zero, ep_bytes_per_step
 from ..parallel.fsdp import REPLICATION_RULES
 from ..parallel.pipeline import apply_pipeline
@@ -64,7 +64,7 @@ ORDER = (
 __doc__ += "\n" + "\n".join(f"    {i}. {name:<18}{why}" for i, (name, why) in enumerate(ORDER, 1)) + "\n"
 
 
-def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train_config: TrainConfig | None = None) -> "Parallelized":
+def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train_config: TrainConfig | None = None) -> Parallelized:
     """Apply `plan` to `model` (the course GPT, the same seed on every rank) on this rank of `mesh`; see the module
     docstring. `train_config`: the optimizer's hyper-parameters, the global batch and the data seed."""
     tc = train_config or TrainConfig()
@@ -88,10 +88,10 @@ def apply_plan(model, mesh: Mesh, plan: ParallelPlan):
     if plan.tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     if plan.pp > 1:
-        model = apply_pipeline(model, mesh, num_microbatches=plan.microbatches, schedule=plan.schedule,
+        model = apply_pipeline(model, mesh, num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                                chunks=plan.chunks, layers=plan.layers)
     if plan.pp > 1 and cfg.n_expert:   # the stages' load-balancing losses enter through backward (Megatron), each
-        attach_aux_losses(model, cfg.aux_loss_coef / (cfg.n_layer * plan.microbatches            # coef × the mean
+        attach_aux_losses(model, cfg.aux_loss_coef / (cfg.n_layer * plan.num_microbatches            # coef × the mean
                                                       * (plan.tp if plan.sequence_parallel else 1)))  # over layers
     if plan.ep > 1:
         model = apply_ep(model, mesh)
@@ -127,10 +127,10 @@ class Parallelized:
     def __init__(self, model, config, train_config: TrainConfig, plan: ParallelPlan, mesh: Mesh):
         self.model, self.config, self.plan, self.mesh = model, config, plan, mesh
         self.optimizer = optim.build(model, **optimizer_kwargs(train_config))
-        self.step_fn = step_function(model, self.optimizer, plan.microbatches)
-        b = train_config.batch_size // (plan.dp * plan.microbatches)
+        self.step_fn = step_function(model, self.optimizer, plan.num_microbatches)
+        b = train_config.batch_size // (plan.dp * plan.num_microbatches)
         cfg = config
-        self.batches = mesh.batches(cfg.seq_len, b, accum_steps=plan.microbatches, seed=train_config.data_seed)
+        self.batches = mesh.batches(cfg.seq_len, b, num_microbatches=plan.num_microbatches, seed=train_config.data_seed)
         self.expected_bytes = self._expected_bytes(cfg, b)
 
     @property
@@ -146,7 +146,7 @@ class Parallelized:
         if self.plan.ep > 1:
             elem = next(p for _, p in self.named_parameters()).element_size()
             ep = ep_bytes_per_step(handle_of(self.model, "expert_parallel"), self.mesh["ep"].rank, elem,
-                                   self.plan.microbatches)
+                                   self.plan.num_microbatches)
             if len(ep) != steps:
                 raise ValueError(f"the MoE layers logged {len(ep)} steps of routing, not {steps}")
             for step, n in zip(out, ep):
@@ -239,7 +239,7 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), n
     global batch of `tc.batch_size` sequences in `num_microbatches` micro-steps, `tc.steps` steps of `train.run`.
     Returns (train.Run, the wrapped model); compare with `train.train_reference(cfg, tc)`."""
     comm = axis_comm(mesh_or_comm, "dp")
-    ParallelPlan(dp=comm.world_size, microbatches=num_microbatches).check(cfg, comm.world_size,
+    ParallelPlan(dp=comm.world_size, num_microbatches=num_microbatches).check(cfg, comm.world_size,
                                                                           batch_size=tc.batch_size)
     model = GPT(cfg, seed=tc.seed) if model is None else model
     out = apply_zero(model, comm, 0) if wrap is None else wrap(model, comm)
@@ -256,7 +256,7 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), n
         step = step_function(wrapped, optimizer, num_microbatches)
     mesh = mesh_or_comm if isinstance(mesh_or_comm, Mesh) else Mesh(comm, dp=comm.world_size)
     b = tc.batch_size // (comm.world_size * num_microbatches)
-    batches = mesh.batches(cfg.seq_len, b, accum_steps=num_microbatches, seed=tc.data_seed)
+    batches = mesh.batches(cfg.seq_len, b, num_microbatches=num_microbatches, seed=tc.data_seed)
     return run(wrapped, optimizer, batches, steps=tc.steps, probes=probes, step_fn=step, keep_params=keep_params,
                progress=progress), wrapped
 

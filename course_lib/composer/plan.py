@@ -1,7 +1,7 @@
 """`ParallelPlan`: every parallelism and memory technique of the course, as one frozen description of a training
 step — and `check`, which says before any rank starts whether the combination can work, and if not, what to change.
 
-    plan = ParallelPlan(pp=2, dp=2, tp=2, zero=1, schedule="1f1b", microbatches=4, recompute="selective",
+    plan = ParallelPlan(pp=2, dp=2, tp=2, zero=1, schedule="1f1b", num_microbatches=4, recompute="selective",
                         precision="bf16")
     plan.check(get_config("nano"), world_size=8, batch_size=16)     # raises PlanError, one line, naming the fix
 
@@ -26,7 +26,7 @@ The fields, and the notebook that builds each technique:
                         fn(S, M) of per-rank op lists, as a lab writes one) and virtual stages per
                         rank (interleaved only)                                                       05
     layers              blocks per pipeline stage (e.g. (3, 1)), None: as even as possible            05
-    microbatches        M: each dp rank splits its share of a step into M micro-batches; with pp > 1
+    num_microbatches        M: each dp rank splits its share of a step into M micro-batches; with pp > 1
                         the pipeline runs them, with pp = 1 they are accumulated (gradient
                         accumulation) before one reduction                                             03, 05
     sequence_parallel   Korthikanti's SP inside the tp group (LayerNorm regions split along T)         06
@@ -85,11 +85,11 @@ class ParallelPlan:
     ep: int = 1
     zero: int = 0
     dp_kind: str = "bucket"
-    fsdp_replicate: "str | int | None" = None
+    fsdp_replicate: str | int | None = None
     schedule: str = "1f1b"
     chunks: int = 1
-    layers: "tuple | None" = None
-    microbatches: int = 1
+    layers: tuple | None = None
+    num_microbatches: int = 1
     sequence_parallel: bool = False
     recompute: str | None = None
     precision: str | None = None
@@ -97,7 +97,7 @@ class ParallelPlan:
     offload_optimizer: str | None = None
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "chunks", "microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "chunks", "num_microbatches"):
             _positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise PlanError(f"ParallelPlan.zero is the ZeRO stage: 0 (DDP), 1, 2 or 3 (FSDP), got {self.zero!r}")
@@ -139,7 +139,7 @@ class ParallelPlan:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
-    def replace(self, **changes) -> "ParallelPlan":
+    def replace(self, **changes) -> ParallelPlan:
         return replace(self, **changes)
 
     def as_dict(self) -> dict:
@@ -154,7 +154,7 @@ class ParallelPlan:
         return " ".join(parts)
 
     # ------------------------------------------------------------------ can it work?
-    def check(self, config, world_size: int, *, batch_size: int | None = None) -> "ParallelPlan":
+    def check(self, config, world_size: int, *, batch_size: int | None = None) -> ParallelPlan:
         """Raise PlanError (one line: the parameter and the fix) unless this plan can train `config` on
         `world_size` ranks with a global batch of `batch_size` sequences. Returns the plan, so calls chain."""
         from ..core.model import get_config
@@ -186,7 +186,7 @@ class ParallelPlan:
                             "sequence_parallel=False")
         if self.pp > 1:
             try:
-                plan_pipeline(cfg, self.pp, self.microbatches, self.schedule, chunks=self.chunks, layers=self.layers)
+                plan_pipeline(cfg, self.pp, self.num_microbatches, self.schedule, chunks=self.chunks, layers=self.layers)
             except ValueError as e:
                 raise PlanError(str(e)) from None
         elif self.layers is not None:
@@ -196,10 +196,10 @@ class ParallelPlan:
             raise PlanError(f"chunks={self.chunks} interleaves virtual pipeline stages, but pp=1; use pp ≥ 2 with "
                             f"schedule='interleaved', or chunks=1")
         if batch_size is not None:
-            n = self.dp * self.microbatches
+            n = self.dp * self.num_microbatches
             if not isinstance(batch_size, int) or batch_size < 1 or batch_size % n:
-                raise PlanError(f"the global batch of {batch_size} sequences does not split into dp × microbatches "
-                                f"= {self.dp} × {self.microbatches} equal micro-batches; use a multiple of {n}")
+                raise PlanError(f"the global batch of {batch_size} sequences does not split into dp × num_microbatches "
+                                f"= {self.dp} × {self.num_microbatches} equal micro-batches; use a multiple of {n}")
         self._check_combination(cfg)
         return self
 

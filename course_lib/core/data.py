@@ -1,7 +1,7 @@
 """Training data for the toy model: a shipped real-text corpus, a byte tokenizer and rank-sharded batches.
 
 The batch sampler is what makes "parallel equals baseline" testable: for every step it draws one *global* batch of
-`world_size · micro_batch_size · accum_steps` sequences from a seeded generator, and each rank takes its own slice.
+`world_size · micro_batch_size · num_microbatches` sequences from a seeded generator, and each rank takes its own slice.
 N ranks with micro-batch b therefore see exactly the N·b sequences one process sees with batch N·b, and since the
 loss is a mean, averaging the ranks' gradients reproduces the single-process gradient.
 """
@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
 
 def _data_dir() -> Path:
     """The repository's data/ (a clone, an editable install), else the copy a plain `pip install` of the course
@@ -75,12 +76,12 @@ class ShardedBatches:
     micro_batch_size: int
     world_size: int = 1
     rank: int = 0
-    accum_steps: int = 1
+    num_microbatches: int = 1
     seed: int = 0
     split: str = "train"
 
     def __post_init__(self):
-        for name in ("seq_len", "micro_batch_size", "world_size", "accum_steps"):
+        for name in ("seq_len", "micro_batch_size", "world_size", "num_microbatches"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"ShardedBatches.{name} must be positive, got {getattr(self, name)!r}")
         if not 0 <= self.rank < self.world_size:
@@ -92,7 +93,7 @@ class ShardedBatches:
 
     @property
     def global_batch_size(self) -> int:
-        return self.world_size * self.micro_batch_size * self.accum_steps
+        return self.world_size * self.micro_batch_size * self.num_microbatches
 
     def _offsets(self, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -107,8 +108,8 @@ class ShardedBatches:
 
     def get(self, step: int, micro: int = 0):
         """This rank's (x, y) for `step` and accumulation micro-step `micro`: each (micro_batch_size, seq_len)."""
-        if not 0 <= micro < self.accum_steps:
-            raise ValueError(f"micro-step {micro} is outside 0..{self.accum_steps - 1}")
+        if not 0 <= micro < self.num_microbatches:
+            raise ValueError(f"micro-step {micro} is outside 0..{self.num_microbatches - 1}")
         b = self.micro_batch_size
         start = micro * self.world_size * b + self.rank * b
         return self._windows(self._offsets(step)[start:start + b])

@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 UNUSED = "zeros"            # what an expert no token reached gets as gradient (see the module docstring)
 
 

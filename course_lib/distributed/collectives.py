@@ -31,12 +31,23 @@ import time
 
 import torch
 
-from .collective_bytes import (ALL_REDUCE_BYTES, _bounds, rhd_schedule, all_reduce_steps, chunk_sizes,  # noqa: F401
-                               naive_all_reduce_bytes, rhd_all_reduce_bytes, ring_all_gather_bytes,
-                               ring_all_reduce_bytes, ring_reduce_scatter_bytes, tree_all_reduce_bytes,
-                               tree_broadcast_bytes, tree_reduce_bytes)
-from .comm import Communicator
 from ..memory import alloc_category
+from .collective_bytes import (  # noqa: F401
+    ALL_REDUCE_BYTES,
+    _bounds,
+    all_reduce_steps,
+    chunk_sizes,
+    naive_all_reduce_bytes,
+    rhd_all_reduce_bytes,
+    rhd_schedule,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_reduce_scatter_bytes,
+    tree_all_reduce_bytes,
+    tree_broadcast_bytes,
+    tree_reduce_bytes,
+)
+from .comm import Communicator
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 

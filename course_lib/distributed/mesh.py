@@ -204,13 +204,13 @@ class Mesh:
     def ledger(self):
         return self.world.ledger
 
-    def batches(self, seq_len: int, micro_batch_size: int, *, accum_steps: int = 1, seed: int = 0,
+    def batches(self, seq_len: int, micro_batch_size: int, *, num_microbatches: int = 1, seed: int = 0,
                 split: str = "train"):
-        """This rank's share of every global batch of dp_size × accum_steps micro-batches of `micro_batch_size`
+        """This rank's share of every global batch of dp_size × num_microbatches micro-batches of `micro_batch_size`
         sequences: split by dp rank only (tp and pp peers get the same data). `data_parallel_batches` with the
         global batch instead."""
-        return data_parallel_batches(self, seq_len, micro_batch_size * self.sizes["dp"] * accum_steps,
-                                     accum_steps=accum_steps, seed=seed, split=split)
+        return data_parallel_batches(self, seq_len, micro_batch_size * self.sizes["dp"] * num_microbatches,
+                                     num_microbatches=num_microbatches, seed=seed, split=split)
 
     def __repr__(self) -> str:
         sizes = " × ".join(f"{a}={self.sizes[a]}" for a in AXES) + (f" (ep={self.sub_sizes['ep']})"
@@ -229,18 +229,18 @@ def axis_comm(mesh_or_comm, axis: str = "dp") -> Communicator:
                     f"{type(mesh_or_comm).__name__}")
 
 
-def data_parallel_batches(mesh_or_comm, seq_len: int, global_batch_size: int, *, accum_steps: int = 1,
+def data_parallel_batches(mesh_or_comm, seq_len: int, global_batch_size: int, *, num_microbatches: int = 1,
                           seed: int = 0, split: str = "train"):
     """This rank's share of each global batch of `global_batch_size` sequences, split over the dp ranks (the one
     batch splitter of the course: every technique, lab check and test gets its data here)."""
     from ..core.data import ShardedBatches
     comm = axis_comm(mesh_or_comm, "dp")
-    n = comm.world_size * accum_steps
+    n = comm.world_size * num_microbatches
     if global_batch_size % n:
         raise ValueError(f"global batch {global_batch_size} does not split evenly over {comm.world_size} dp rank(s) × "
-                         f"{accum_steps} micro-step(s); use a multiple of {n}")
+                         f"{num_microbatches} micro-step(s); use a multiple of {n}")
     dp_rank = mesh_or_comm.dp_rank if isinstance(mesh_or_comm, Mesh) else comm.rank
-    return ShardedBatches(seq_len, global_batch_size // n, comm.world_size, dp_rank, accum_steps, seed=seed,
+    return ShardedBatches(seq_len, global_batch_size // n, comm.world_size, dp_rank, num_microbatches, seed=seed,
                           split=split)
 
 

@@ -16,7 +16,7 @@ fetches the shards in the order the stream will first need them, `prefetch` shar
 (concurrent ranged GETs from the store, or a cache tier in front of it).
 
 `get(step, micro)` makes it a drop-in for `course_lib.core.data.ShardedBatches` in `train.run`: micro-batch `micro` of
-`step` on this rank is samples [(step·accum_steps + micro)·b, … + b) of its stream (b = micro_batch_size), and the
+`step` on this rank is samples [(step·num_microbatches + micro)·b, … + b) of its stream (b = micro_batch_size), and the
 global batch of a step, as one process sees it (`GlobalBatches`), is the ranks' micro-batches in rank order — so
 N ranks each averaging their gradient train exactly like one process on the global batch (formulas §2.3).
 """
@@ -90,12 +90,12 @@ class StreamingBatches:
     stream ends (None: never); prefetching never reaches past it.
     """
 
-    def __init__(self, source, index: ShardIndex, *, micro_batch_size: int, accum_steps: int = 1, dp=None,
+    def __init__(self, source, index: ShardIndex, *, micro_batch_size: int, num_microbatches: int = 1, dp=None,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle_buffer: int = 256, prefetch: int = 4,
                  workers: int = 4, epochs: int | None = None):
         if dp is not None:
             dp_rank, dp_size = dp_coordinates(dp)
-        for name, v, low in (("micro_batch_size", micro_batch_size, 1), ("accum_steps", accum_steps, 1),
+        for name, v, low in (("micro_batch_size", micro_batch_size, 1), ("num_microbatches", num_microbatches, 1),
                              ("dp_size", dp_size, 1), ("shuffle_buffer", shuffle_buffer, 1),
                              ("prefetch", prefetch, 0), ("workers", workers, 0)):
             if not isinstance(v, int) or v < low:
@@ -109,7 +109,7 @@ class StreamingBatches:
         if prefetch > 0 and workers == 0:
             raise ValueError("prefetch > 0 needs workers >= 1 (threads that fetch ahead)")
         self.source, self.index = source, index
-        self.micro_batch_size, self.accum_steps, self.seed = micro_batch_size, accum_steps, seed
+        self.micro_batch_size, self.num_microbatches, self.seed = micro_batch_size, num_microbatches, seed
         self.dp_rank, self.dp_size, self.buffer_size = dp_rank, dp_size, shuffle_buffer
         self.prefetch, self.workers, self.epochs = prefetch, workers, epochs
         self.seq_len = index.seq_len
@@ -201,12 +201,12 @@ class StreamingBatches:
     # ------------------------------------------------------------------ the ShardedBatches interface
     def get(self, step: int, micro: int = 0):
         """This rank's (x, y) for `step` and accumulation micro-step `micro`: each (micro_batch_size, seq_len)."""
-        if not 0 <= micro < self.accum_steps:
-            raise ValueError(f"micro-step {micro} is outside 0..{self.accum_steps - 1}")
+        if not 0 <= micro < self.num_microbatches:
+            raise ValueError(f"micro-step {micro} is outside 0..{self.num_microbatches - 1}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         b = self.micro_batch_size
-        w = self.samples((step * self.accum_steps + micro) * b, b)     # (b, T+1)
+        w = self.samples((step * self.num_microbatches + micro) * b, b)     # (b, T+1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()            # x, y: (b, T)
 
     @property
@@ -216,7 +216,7 @@ class StreamingBatches:
 
     @property
     def steps_per_epoch(self) -> float:
-        return self.samples_per_epoch / (self.micro_batch_size * self.accum_steps)
+        return self.samples_per_epoch / (self.micro_batch_size * self.num_microbatches)
 
     # ------------------------------------------------------------------ iteration and exact resume
     def next_batch(self):
@@ -261,13 +261,13 @@ class GlobalBatches:
     micro-step `micro` is the dp ranks' micro-batches concatenated in rank order — read shard by shard in the
     caller's thread, no prefetch. `get(step, micro)` → (dp_size · micro_batch_size, seq_len) x and y."""
 
-    def __init__(self, source, index: ShardIndex, *, micro_batch_size: int, dp_size: int, accum_steps: int = 1,
+    def __init__(self, source, index: ShardIndex, *, micro_batch_size: int, dp_size: int, num_microbatches: int = 1,
                  seed: int = 0, shuffle_buffer: int = 256):
-        self.ranks = [StreamingBatches(source, index, micro_batch_size=micro_batch_size, accum_steps=accum_steps,
+        self.ranks = [StreamingBatches(source, index, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                                        dp_rank=r, dp_size=dp_size, seed=seed, shuffle_buffer=shuffle_buffer,
                                        prefetch=0, workers=0) for r in range(dp_size)]
         self.micro_batch_size = dp_size * micro_batch_size
-        self.accum_steps, self.seq_len = accum_steps, index.seq_len
+        self.num_microbatches, self.seq_len = num_microbatches, index.seq_len
 
     def get(self, step: int, micro: int = 0):
         xs, ys = zip(*(r.get(step, micro) for r in self.ranks))

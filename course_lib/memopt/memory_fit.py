@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 from ..core.costmodel import Link, get_link
 from ..parallel.tensor.sequence import paper_activation_bytes
-from ..parallel.zero import model_state_bytes
+from ..parallel.zero import zero_state_bytes
 
 DEFAULT_LINK = "PCIe Gen4 x16"      # the host link every offload model here defaults to (costmodel.PRESETS)
 
 
 def zero_offload_step_time(t_forward: float, t_backward: float, t_cpu_step: float, psi: int, *,
-                           link: "Link | str" = DEFAULT_LINK, dpu: bool = False, elem_bytes: int = 2) -> dict:
+                           link: Link | str = DEFAULT_LINK, dpu: bool = False, elem_bytes: int = 2) -> dict:
     """Modeled seconds per ZeRO-Offload step from measured compute and CPU-step times and the link model:
 
         down    = t_link(e·Ψ), overlapped with backward: exposed max(0, down − t_backward)
@@ -53,8 +53,8 @@ class Machine:
     host_bytes: float = 256e9
     disk_bytes: float = 30e12
     device_flops: float = 300e12             # sustained bf16 FLOP/s (an assumption, not a datasheet peak)
-    pcie: "Link | str" = DEFAULT_LINK
-    network: "Link | str" = "InfiniBand NDR"
+    pcie: Link | str = DEFAULT_LINK
+    network: Link | str = "InfiniBand NDR"
     disk_read: float = 3e9                   # bytes/s
     disk_write: float = 2e9                  # bytes/s
     adam_per_core: float = 1e8               # parameters per second one core steps
@@ -83,7 +83,7 @@ class FitTerms:
     disk: float           # SSD seconds per step: 12Ψ read and 12Ψ written
 
 
-def fit_terms(psi: float, m: "Machine") -> FitTerms:
+def fit_terms(psi: float, m: Machine) -> FitTerms:
     """Activation bytes, compute seconds, the CPU Adam step, ZeRO-3's bytes and traffic, the SSD's seconds."""
     shape = gpt_shape(psi)
     L, h, a = shape["n_layer"], shape["d_model"], shape["n_head"]
@@ -95,7 +95,7 @@ def fit_terms(psi: float, m: "Machine") -> FitTerms:
     compute[True] = compute[False] * 4 / 3
     adam = psi / (m.adam_per_core * m.host_cores)
     N = m.zero_ranks
-    zero3 = sum(model_state_bytes(int(psi), N, 3, param=2, grad=2, optim=12).values())
+    zero3 = sum(zero_state_bytes(int(psi), N, 3, param=2, grad=2, optim=12).values())
     comm = get_link(m.network).time(3 * (N - 1) / N * 2 * psi)
     disk = 12 * psi / m.disk_read + 12 * psi / m.disk_write
     return FitTerms(acts, compute, adam, zero3, comm, disk)

@@ -175,7 +175,7 @@ class DataParallelNaive(nn.Module):
     def no_sync(self):
         """Gradient accumulation: inside this block backward only accumulates local gradients and
         `finish_gradient_synchronization()` does nothing; the first synchronized step after it averages the sum.
-        Scale each micro-step's loss by 1/accum_steps so the sum is the mean over the whole global batch."""
+        Scale each micro-step's loss by 1/num_microbatches so the sum is the mean over the whole global batch."""
         previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield

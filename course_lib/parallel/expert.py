@@ -38,10 +38,10 @@ import torch
 import torch.nn as nn
 
 from ..core.handles import attach
+from ..core.moe import MoE, attach_aux_loss, route
 from ..distributed import collectives
 from ..distributed.all_to_all import AllToAll, all_to_all, exchange_sizes
 from ..distributed.mesh import Mesh, axis_comm
-from ..core.moe import MoE, attach_aux_loss, route
 
 
 class ExpertParallelMoE(nn.Module):

@@ -40,13 +40,17 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import (all_gather_ring, reduce_scatter_ring, ring_all_gather_bytes,
-                                ring_reduce_scatter_bytes)
+from ..core.handles import attach
+from ..distributed.collectives import (
+    all_gather_ring,
+    reduce_scatter_ring,
+    ring_all_gather_bytes,
+    ring_reduce_scatter_bytes,
+)
 from ..distributed.flat import FlatBuffer, broadcast_tensors, bucket_params, padded_numel  # noqa: F401 (padded_numel: API)
 from ..distributed.mesh import Mesh, axis_comm
 from ..memory import alloc_category
 from ..optim.master import kept_master, set_master
-from ..core.handles import attach
 from .dp import apply_dp
 from .fsdp import apply_fsdp
 from .pipeline.stage import PipelineStage
@@ -54,7 +58,7 @@ from .pipeline.stage import PipelineStage
 DEFAULT_BUCKET_CAP_BYTES = 256 * 1024
 
 
-def model_state_bytes(psi: int, world_size: int, stage: int, *, param: int = 4, grad: int = 4,
+def zero_state_bytes(psi: int, world_size: int, stage: int, *, param: int = 4, grad: int = 4,
                       optim: int = 8) -> dict:
     """ZeRO's model states per rank (paper §5.1, Fig. 1), bytes by category: stage 0 is DDP, stage k ≥ 1 divides
     the optimizer state, then also the gradients (k ≥ 2), then also the parameters (k = 3) by N. Defaults: fp32

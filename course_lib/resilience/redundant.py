@@ -47,12 +47,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .. import optim
+from ..core.model import GPT, get_config
 from ..distributed.comm import Communicator, Ledger
 from ..memory import now
-from ..core.model import GPT, get_config
 from ..parallel.pipeline.executor import Pipeline, plan_pipeline
 from ..parallel.pipeline.stage import PipelineStage, split_layers
-from .. import optim
 from ..train import optimizer_kwargs, run
 from .membership import Membership, PeerLost, Watched, takeover  # noqa: F401  (re-exported)
 from .peer import load_packed, pack
@@ -301,7 +301,7 @@ def _batches(cfg, tc, num_microbatches: int):
     from ..core.data import ShardedBatches
     if tc.batch_size % num_microbatches:
         raise ValueError(f"global batch {tc.batch_size} does not split into M={num_microbatches} micro-batches")
-    return ShardedBatches(cfg.seq_len, tc.batch_size // num_microbatches, accum_steps=num_microbatches,
+    return ShardedBatches(cfg.seq_len, tc.batch_size // num_microbatches, num_microbatches=num_microbatches,
                           seed=tc.data_seed)
 
 

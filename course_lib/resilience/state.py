@@ -219,7 +219,7 @@ def data_position(batches, step: int) -> dict:
     """What identifies the data stream and where it stands (JSON): enough to refuse resuming on other data."""
     inner = batches.batches if isinstance(batches, ResumedBatches) else batches
     pos = {"step": int(step), "kind": type(inner).__name__}
-    for attr in ("seed", "seq_len", "global_batch_size", "accum_steps", "split"):
+    for attr in ("seed", "seq_len", "global_batch_size", "num_microbatches", "split"):
         if hasattr(inner, attr):
             pos[attr] = getattr(inner, attr)
     return pos

@@ -44,9 +44,21 @@ import numpy as np
 import torch
 
 from ..core.costmodel import GB, Link, fit_alpha_beta
-from .wire import (KiB, MiB, SharedRegion, _read_exact_fd, connect_ranks, memcpy_once,  # noqa: F401
-                   recv_ack, recv_shm_write, recv_tcp_naive, recv_tcp_zerocopy, send_shm_write, send_tcp_naive,
-                   send_tcp_zerocopy)
+from .wire import (  # noqa: F401
+    KiB,
+    MiB,
+    SharedRegion,
+    _read_exact_fd,
+    connect_ranks,
+    memcpy_once,
+    recv_ack,
+    recv_shm_write,
+    recv_tcp_naive,
+    recv_tcp_zerocopy,
+    send_shm_write,
+    send_tcp_naive,
+    send_tcp_zerocopy,
+)
 
 PATHS = ("tcp_naive", "tcp_zerocopy", "shm_write", "memcpy")
 DEFAULT_TIMEOUT = 120.0

@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from .measure import DEFAULT_TIMEOUT, KiB, MiB, connect_ranks, pattern, recv_ack, \
-    recv_tcp_zerocopy
+from .measure import DEFAULT_TIMEOUT, KiB, MiB, connect_ranks, pattern, recv_ack, recv_tcp_zerocopy
+
 
 class CopyEngine:
     """A stand-in for a GPU's copy engine over PCIe: the bytes are really copied (dst.copy_(src)), then the call

@@ -88,6 +88,7 @@ class SharedRegion:
 
     def __init__(self, rank: int, nbytes: int, timeout: float):
         import tempfile
+
         import torch.distributed as dist
         where = "/dev/shm" if os.path.isdir("/dev/shm") else None
         folder = tempfile.mkdtemp(prefix="course-shm-", dir=where) if rank == 1 else None

@@ -25,11 +25,11 @@ STATES = ("parameters", "gradients", "optimizer")
 P = ParallelPlan
 
 # one launch of 8 ranks: every axis, each ZeRO stage, SP, both recomputation kinds, interleaving, a padded vocabulary
-PLANS = [P(pp=2, dp=2, tp=2, microbatches=2),
-         P(pp=2, dp=2, tp=2, microbatches=4, zero=1, schedule="interleaved", chunks=2, sequence_parallel=True,
+PLANS = [P(pp=2, dp=2, tp=2, num_microbatches=2),
+         P(pp=2, dp=2, tp=2, num_microbatches=4, zero=1, schedule="interleaved", chunks=2, sequence_parallel=True,
            recompute="selective"),
          P(dp=2, tp=4, zero=3, sequence_parallel=True),
-         P(pp=4, tp=2, microbatches=4, schedule="zb_h1", recompute="full"),
+         P(pp=4, tp=2, num_microbatches=4, schedule="zb_h1", recompute="full"),
          P(dp=4, cp=2, zero=2)]
 
 

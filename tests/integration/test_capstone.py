@@ -49,7 +49,7 @@ def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_
     from course_lib.train import TrainConfig
     cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
     jobs = [Job("DDP", ParallelPlan(dp=2), cfg, TrainConfig(steps=1, batch_size=8), "float32"),
-            Job("pipeline", ParallelPlan(pp=2, microbatches=2), cfg, TrainConfig(steps=1, batch_size=8), "float32")]
+            Job("pipeline", ParallelPlan(pp=2, num_microbatches=2), cfg, TrainConfig(steps=1, batch_size=8), "float32")]
     res = launch(time_worker, 2, jobs, 3, [8, 4096], 6, timeout=120)
     for r in res:
         assert len(r["one_way"]) == 2 and all(t > 0 for t in r["one_way"])
@@ -74,7 +74,7 @@ def test_each_survey_rows_activation_peak_equals_its_closed_form_on_another_mode
     from course_lib.train import TrainConfig
     cfg = get_config("nano", n_layer=3, d_model=48, n_head=6, seq_len=16, vocab_size=200)
     tc = TrainConfig(steps=1, batch_size=6, seed=3, data_seed=3)
-    plans = {"dp": P(dp=2), "gpipe": P(pp=2, microbatches=3, schedule="gpipe"), "1f1b": P(pp=2, microbatches=3),
+    plans = {"dp": P(dp=2), "gpipe": P(pp=2, num_microbatches=3, schedule="gpipe"), "1f1b": P(pp=2, num_microbatches=3),
              "tp": P(tp=2), "sp": P(tp=2, sequence_parallel=True), "cp": P(cp=2),
              "offload": P(dp=2, offload_activations=True), "full": P(dp=2, recompute="full"),
              "selective": P(dp=2, recompute="selective"), "sqrt": P(dp=2, recompute="sqrt"),

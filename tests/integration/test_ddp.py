@@ -51,9 +51,9 @@ WRAPPERS = {
 SEED_OF = {2: 3, 3: 7}
 
 
-def _tc(world_size: int, accum_steps: int = 1, steps: int = STEPS) -> TrainConfig:
+def _tc(world_size: int, num_microbatches: int = 1, steps: int = STEPS) -> TrainConfig:
     seed = SEED_OF.get(world_size, 0)
-    return TrainConfig(steps=steps, batch_size=world_size * MICRO_BATCH_SIZE * accum_steps, seed=seed, data_seed=seed)
+    return TrainConfig(steps=steps, batch_size=world_size * MICRO_BATCH_SIZE * num_microbatches, seed=seed, data_seed=seed)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -281,7 +281,7 @@ def _accumulate(ctx):
     for wrap_name in ("bucket", "overlap"):
         model = GPT(cfg, seed=tc.seed).double()
         ddp = WRAPPERS[wrap_name](model, ctx.comm)
-        data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, accum_steps=ACCUM, seed=tc.data_seed)
+        data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, num_microbatches=ACCUM, seed=tc.data_seed)
         ctx.comm.ledger.reset()
         with ddp:                               # every DDP kind is a context manager (overlap: its thread)
             r = run(ddp, optim.build(model, **optimizer_kwargs(tc)), data, steps=STEPS,

@@ -7,8 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 import time
 
 import psutil
@@ -209,6 +209,7 @@ def test_gloo_gets_the_loopback_interface_only_where_the_host_name_does_not_reso
     """gloo warns at every launch when the host name does not resolve to a bindable address (macOS often): launch
     then names the loopback interface for its ranks; otherwise it leaves gloo's own choice alone."""
     import socket
+
     from course_lib.distributed import launch as L
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     lo = L._loopback_interface()

@@ -120,7 +120,7 @@ def _pipeline_worker(ctx, schedule):
         pipe = handle_of(stage, "pipeline")
         if name == "offload":
             assert apply_activation_offload(stage, mesh) is stage
-        batches = mesh.batches(PIPE.seq_len, B, accum_steps=M, seed=tc.data_seed)
+        batches = mesh.batches(PIPE.seq_len, B, num_microbatches=M, seed=tc.data_seed)
         r = run(stage, optim.build(stage, **optimizer_kwargs(tc)), batches, steps=tc.steps, step_fn=pipe,
                 probes=[MemoryProbe(timeline=False)])
         off = handle_of(stage, "activation_offload")

@@ -10,11 +10,11 @@ so the whole matrix costs a handful of process starts. Plans the course refuses 
 import pytest
 import torch
 
-from course_lib.distributed.launch import launch
-from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config
 from course_lib.capstone import one_process_losses
 from course_lib.composer.parallelize import ParallelPlan, parallelize
+from course_lib.core.model import GPT, get_config
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh
 from course_lib.train import LedgerProbe, TrainConfig, train_reference
 
 pytestmark = pytest.mark.integration
@@ -27,40 +27,40 @@ P = ParallelPlan
 # world size -> (global batch, plans); every schedule, ZeRO stage, SP, recomputation policy and a size-3 axis
 MATRIX = {
     8: (8, [
-        P(pp=2, dp=2, tp=2, microbatches=2),
-        P(pp=2, dp=2, tp=2, microbatches=2, zero=1, sequence_parallel=True, recompute="selective"),
-        P(pp=2, dp=2, tp=2, microbatches=2, zero=2, schedule="zb_h1"),
-        P(pp=2, dp=2, tp=2, microbatches=4, zero=1, schedule="interleaved", chunks=2, sequence_parallel=True),
-        P(pp=2, dp=2, tp=2, microbatches=2, schedule="gpipe", recompute="full"),
-        P(dp=2, tp=4, microbatches=2, zero=2),
+        P(pp=2, dp=2, tp=2, num_microbatches=2),
+        P(pp=2, dp=2, tp=2, num_microbatches=2, zero=1, sequence_parallel=True, recompute="selective"),
+        P(pp=2, dp=2, tp=2, num_microbatches=2, zero=2, schedule="zb_h1"),
+        P(pp=2, dp=2, tp=2, num_microbatches=4, zero=1, schedule="interleaved", chunks=2, sequence_parallel=True),
+        P(pp=2, dp=2, tp=2, num_microbatches=2, schedule="gpipe", recompute="full"),
+        P(dp=2, tp=4, num_microbatches=2, zero=2),
         P(dp=2, tp=4, zero=3, sequence_parallel=True),
         P(dp=2, tp=4, recompute="selective"),
-        P(pp=2, dp=4, microbatches=2, zero=1, recompute="full"),
-        P(pp=2, dp=4, microbatches=2, zero=2, schedule="gpipe"),
-        P(pp=4, tp=2, microbatches=4, sequence_parallel=True),
-        P(pp=4, tp=2, microbatches=4, schedule="zb_h1", recompute="selective"),
+        P(pp=2, dp=4, num_microbatches=2, zero=1, recompute="full"),
+        P(pp=2, dp=4, num_microbatches=2, zero=2, schedule="gpipe"),
+        P(pp=4, tp=2, num_microbatches=4, sequence_parallel=True),
+        P(pp=4, tp=2, num_microbatches=4, schedule="zb_h1", recompute="selective"),
         P(dp=8, zero=3),
         P(dp=8, zero=3, fsdp_replicate="norms+biases"),
         P(dp=8, zero=1),
-        P(pp=2, dp=2, tp=2, microbatches=2, offload_activations=True),
-        P(pp=2, dp=4, microbatches=2, zero=2, schedule="zb_h1", offload_activations=True),
+        P(pp=2, dp=2, tp=2, num_microbatches=2, offload_activations=True),
+        P(pp=2, dp=4, num_microbatches=2, zero=2, schedule="zb_h1", offload_activations=True),
         # context × pipeline: each stage's ring attention over the cp peers holding it; (b, T/cp, d) crosses
-        P(pp=2, dp=2, cp=2, microbatches=2),
-        P(pp=2, dp=2, cp=2, microbatches=2, zero=2, schedule="zb_h1"),
-        P(pp=2, cp=4, microbatches=4, schedule="interleaved", chunks=2),
+        P(pp=2, dp=2, cp=2, num_microbatches=2),
+        P(pp=2, dp=2, cp=2, num_microbatches=2, zero=2, schedule="zb_h1"),
+        P(pp=2, cp=4, num_microbatches=4, schedule="interleaved", chunks=2),
         # context × tensor (Llama 3's long-context layout): the ring on the heads this tp rank holds
-        P(pp=2, cp=2, tp=2, microbatches=2),
+        P(pp=2, cp=2, tp=2, num_microbatches=2),
         P(dp=2, cp=2, tp=2, zero=1, sequence_parallel=True),
     ]),
     6: (6, [
         P(dp=3, tp=2, zero=1, sequence_parallel=True),
-        P(pp=3, dp=2, microbatches=3, zero=2),
-        P(pp=3, tp=2, microbatches=3, schedule="zb_h1", recompute="full"),
+        P(pp=3, dp=2, num_microbatches=3, zero=2),
+        P(pp=3, tp=2, num_microbatches=3, schedule="zb_h1", recompute="full"),
     ]),
     4: (8, [
         P(dp=2, cp=2, zero=1),
         P(cp=4, zero=2),
-        P(dp=4, zero=3, fsdp_replicate=512, microbatches=2),
+        P(dp=4, zero=3, fsdp_replicate=512, num_microbatches=2),
         # recomputation replays ring attention's forward (its K/V rotation again) in every block it reruns
         P(dp=2, cp=2, recompute="full"),
         P(cp=2, tp=2, recompute="selective", sequence_parallel=True),
@@ -121,7 +121,7 @@ def test_every_accepted_plan_trains_like_one_process_with_the_formulas_bytes(wor
 
 # Llama 3's long-context layout on the toy (Dubey et al. 2024, Table 4: TP 8 × CP 16 × PP 16 × DP): every axis of the
 # mesh at size 2, one 16-rank launch — the one test that starts 16 processes; its wall time and memory are printed
-LLAMA3 = P(pp=2, dp=2, cp=2, tp=2, microbatches=2, zero=1, sequence_parallel=True)
+LLAMA3 = P(pp=2, dp=2, cp=2, tp=2, num_microbatches=2, zero=1, sequence_parallel=True)
 
 
 def _rss_worker(ctx, batch, plans, reference):
@@ -153,7 +153,7 @@ def test_the_llama3_layout_pp_dp_cp_tp_on_16_ranks_trains_like_one_process():
 
 
 # ------------------------------------------------------------------------------------------ mixed precision
-BF16 = [P(pp=2, dp=2, tp=2, microbatches=2, zero=1, precision="bf16"),
+BF16 = [P(pp=2, dp=2, tp=2, num_microbatches=2, zero=1, precision="bf16"),
         P(dp=2, tp=4, zero=2, sequence_parallel=True, precision="bf16"),
         P(dp=8, zero=3, precision="bf16"),
         P(dp=8, zero=2, offload_optimizer="host", precision="bf16"),
@@ -190,7 +190,7 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
     assert offloaded[0] == single[0]                 # the same bf16 weights: only the optimizer's place differs
     assert abs(single[1] - single[0]) > 2 ** -7 * single[0] * 2          # a step moves the loss well past the bound
     plan, moe = BF16_MOE
-    single_moe = launch(_bf16, 1, [P(precision="bf16")], 8, moe, plan.dp * plan.microbatches,
+    single_moe = launch(_bf16, 1, [P(precision="bf16")], 8, moe, plan.dp * plan.num_microbatches,
                         timeout=120)[0][0]["losses"]
     res = launch(_bf16, 8, BF16 + [plan], 8, moe, timeout=300)
     for i, plan in enumerate(BF16 + [plan]):
@@ -214,20 +214,20 @@ MOE = {
         (P(dp=6, ep=3), {"n_expert": 3, "top_k": 2, "capacity_factor": 1.0}, False)],
     8: [(P(dp=4, ep=2, tp=2), {"n_expert": 4, "top_k": 2}, False),
         (P(dp=4, ep=2, cp=2), {"n_expert": 4, "top_k": 2, "capacity_factor": 1.0}, False),
-        (P(pp=2, dp=4, ep=2, microbatches=2), {"n_expert": 4, "top_k": 2}, False),
-        (P(pp=2, dp=4, ep=4, microbatches=2, schedule="gpipe"), {"n_expert": 4, "top_k": 1}, True),
-        (P(pp=2, dp=2, ep=2, tp=2, microbatches=2), {"n_expert": 4, "top_k": 2}, False),
-        (P(pp=2, dp=2, ep=2, cp=2, microbatches=2), {"n_expert": 2, "top_k": 1}, False),
+        (P(pp=2, dp=4, ep=2, num_microbatches=2), {"n_expert": 4, "top_k": 2}, False),
+        (P(pp=2, dp=4, ep=4, num_microbatches=2, schedule="gpipe"), {"n_expert": 4, "top_k": 1}, True),
+        (P(pp=2, dp=2, ep=2, tp=2, num_microbatches=2), {"n_expert": 4, "top_k": 2}, False),
+        (P(pp=2, dp=2, ep=2, cp=2, num_microbatches=2), {"n_expert": 2, "top_k": 1}, False),
         # ZeRO over two groups: the replicated parameters' state over dp (× cp), the experts' over edp (× cp)
         (P(dp=8, ep=4, zero=1), {"n_expert": 4, "top_k": 2}, False),
-        (P(pp=2, dp=4, ep=2, zero=1, microbatches=2), {"n_expert": 4, "top_k": 2}, False),     # DeepSeek-V3's shape
+        (P(pp=2, dp=4, ep=2, zero=1, num_microbatches=2), {"n_expert": 4, "top_k": 2}, False),     # DeepSeek-V3's shape
         (P(dp=2, ep=2, cp=2, tp=2, zero=2), {"n_expert": 4, "top_k": 1}, True),
         # recomputation replays a MoE block's attention g (its MoE reads it): n all-reduces per segment of n
         (P(dp=4, tp=2, recompute="sqrt"), {"n_expert": 4, "top_k": 2}, False),
         # sequence parallelism: each tp rank routes its T/tp slice; router and expert gradients summed over tp
         (P(dp=4, ep=2, tp=2, sequence_parallel=True), {"n_expert": 4, "top_k": 2}, False),
         (P(dp=2, ep=2, cp=2, tp=2, sequence_parallel=True), {"n_expert": 4, "top_k": 1}, True),
-        (P(pp=2, dp=2, ep=2, tp=2, zero=1, sequence_parallel=True, microbatches=2), {"n_expert": 4, "top_k": 2},
+        (P(pp=2, dp=2, ep=2, tp=2, zero=1, sequence_parallel=True, num_microbatches=2), {"n_expert": 4, "top_k": 2},
          False)],
     5: [(P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, True),
         (P(dp=5, ep=5), {"n_expert": 5, "top_k": 1}, False)],
@@ -263,7 +263,7 @@ def _moe_worker(ctx, cases):
             run = job.train(STEPS, keep_params=True, probes=[probe])
             err = max((v - job.local_shard(k, reference[k])).abs().max().item() for k, v in run.params.items())
             layers = [m for m in job.model.modules() if hasattr(m, "received_rows")]
-            aux = aux_loss_per_step(job.model, cfg, plan.microbatches)
+            aux = aux_loss_per_step(job.model, cfg, plan.num_microbatches)
             out.append({"err": err, "losses": run.losses, "aux": aux, "names": sorted(run.params),
                         "coords": mesh.coords,
                         "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
@@ -279,7 +279,7 @@ def _moe_reference(plan, cfg, collapsed, batch):
     try:
         model = _moe_model(cfg, collapsed)
         # one capacity group per rank's micro-batch, and per cp rank's positions of it
-        set_moe_groups(model, plan.dp * plan.microbatches, cp=plan.cp, layout=plan.cp_layout,
+        set_moe_groups(model, plan.dp * plan.num_microbatches, cp=plan.cp, layout=plan.cp_layout,
                        tp=plan.tp if plan.sequence_parallel else 1)
         ref = train_reference(cfg, TrainConfig(steps=STEPS, batch_size=batch, lr=1e-3), progress=False, model=model)
     finally:
@@ -293,7 +293,7 @@ def _check_moe(world, cases):
     runs, refs = [], []
     for plan, overrides, collapsed in cases:
         cfg = CFG.replace(**overrides)
-        batch = 2 * plan.dp * plan.microbatches
+        batch = 2 * plan.dp * plan.num_microbatches
         plan.check(cfg, world, batch_size=batch)
         ref, params = _moe_reference(plan, cfg, collapsed, batch)
         refs.append((ref, params))

@@ -70,7 +70,7 @@ def _everything(ctx):
     for name, M, v, layers in _cases(S):
         ctx.comm.ledger.reset()
         tc = TrainConfig(steps=_steps((name, M, v, layers)), batch_size=M * B)
-        r, stage, pipe = _train(mesh, tc, schedule=name, microbatches=M, chunks=v, layers=layers,
+        r, stage, pipe = _train(mesh, tc, schedule=name, num_microbatches=M, chunks=v, layers=layers,
                                 dtype=torch.float64, probes=[GradProbe()], keep_params=True)
         out["exact"][(name, M, v, tuple(layers) if layers else None)] = {
             "grads": r["grads"], "losses": r.losses, "params": r.params, "sent": ctx.comm.ledger.bytes_sent(group="pp"),
@@ -78,7 +78,7 @@ def _everything(ctx):
     for name, M, v in _memory_cases(S):
         ctx.comm.ledger.reset()
         tc = TrainConfig(steps=1, batch_size=M * B)
-        r, _, _ = _train(mesh, tc, schedule=name, microbatches=M, chunks=v,
+        r, _, _ = _train(mesh, tc, schedule=name, num_microbatches=M, chunks=v,
                          probes=[MemoryProbe(timeline=False), LedgerProbe(ctx.comm, groups=("pp",))])
         out["memory"][name] = {"activations": r["memory"]["report"].max_by_category["activations"],
                                "pp": r["ledger"]["group_bytes"][0]["pp"]}
@@ -173,7 +173,7 @@ def _dp_pp(ctx, tc, M):
     out = {}
     for label, kwargs in (("ddp", {}), ("ddp_overlap", {"dp_kind": "overlap"}), ("zero1", {"zero": 1})):
         ctx.comm.ledger.reset()
-        r, stage, pipe = _train(mesh, tc, microbatches=M, dtype=torch.float64, keep_params=True,
+        r, stage, pipe = _train(mesh, tc, num_microbatches=M, dtype=torch.float64, keep_params=True,
                                 probes=[LedgerProbe(ctx.comm, groups=("pp", "dp"))], **kwargs)
         ddp = pipe.data_parallel
         out[label] = {"params": r.params, "losses": r.losses, "per_step": r["ledger"]["group_bytes"],

@@ -46,7 +46,7 @@ def _torch_side(ctx):
     mesh, tc, runs = Mesh(ctx.comm, pp=S), TrainConfig(steps=1, batch_size=S * B), {}
     for name in NAMES:
         theirs = torch_pipeline_run(ctx, CFG, tc, name, S, chunks=_chunks(name, S))
-        plan = ParallelPlan(pp=S, schedule=name, microbatches=S, chunks=_chunks(name, S))
+        plan = ParallelPlan(pp=S, schedule=name, num_microbatches=S, chunks=_chunks(name, S))
         with parallelize(GPT(CFG, seed=tc.seed).double(), mesh, plan, train_config=tc) as job:
             ours = job.train(tc.steps, probes=[GradProbe()])
         runs[name] = {"torch": theirs["grads0"], "ours": ours["grads"], "torch_loss": theirs["losses"],

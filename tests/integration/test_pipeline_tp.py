@@ -109,7 +109,7 @@ def _composed(ctx, combos, references):
             if wrapped_fwd:
                 model = _Counting(model)
             ctx.comm.ledger.reset()
-            r = run(model, optimizer, mesh.batches(CFG.seq_len, B, accum_steps=M, seed=tc.data_seed), steps=STEPS,
+            r = run(model, optimizer, mesh.batches(CFG.seq_len, B, num_microbatches=M, seed=tc.data_seed), steps=STEPS,
                     step_fn=step_fn, probes=[LedgerProbe(ctx.comm, spans=False, groups=("pp", "dp", "tp"))],
                     keep_params=True)
             tp_model = getattr(inner, "model", inner)          # a stage runs its model's pieces

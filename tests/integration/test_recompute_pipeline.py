@@ -14,16 +14,16 @@ import functools
 import pytest
 import torch
 
+from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, activation_bytes, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.memopt.recompute import make_plan
 from course_lib.memopt.recompute.costs import formula_costs
 from course_lib.memopt.recompute.measured import ActivationPeakProbe
 from course_lib.memopt.recompute.pipeline import pipeline_peaks
-from course_lib.core.model import GPT, activation_bytes, get_config
 from course_lib.parallel import pipeline as P
-from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def _step(ctx, cfg, M, policy, schedule="1f1b", dtype=None, probes=()):
     torch.manual_seed(ctx.rank)
     tc = TrainConfig(steps=1, batch_size=M * B)
     model = GPT(cfg, seed=tc.seed)
-    plan = ParallelPlan(pp=ctx.world_size, microbatches=M, schedule=schedule,
+    plan = ParallelPlan(pp=ctx.world_size, num_microbatches=M, schedule=schedule,
                         recompute=_plan(policy, blocks[1] - blocks[0]))
     with parallelize(model.to(dtype) if dtype is not None else model, Mesh(ctx.comm, pp=ctx.world_size), plan,
                      train_config=tc) as job:
@@ -87,7 +87,7 @@ def _ranks(ctx):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(S):
     return launch(_ranks, S, timeout=120)
 

@@ -12,16 +12,16 @@ import functools
 import pytest
 import torch
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh, data_parallel_batches
 from course_lib.memopt.recompute import apply_recompute, make_plan
 from course_lib.memopt.recompute.tensor_parallel import rerun_tp_bytes
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_microbatch
-from course_lib import optim
 from course_lib.train import GradProbe, TrainConfig, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def _all(ctx, meshes, ref_grads):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference():
     model = GPT(CFG).double()
     r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, GLOBAL_B), steps=1,
@@ -74,7 +74,7 @@ MESHES = {2: (("tp=2", {"tp": 2}, {}), ("tp=2 SP", {"tp": 2}, SP)),
           4: (("tp=4", {"tp": 4}, {}), ("dp×tp=2×2", {"dp": 2, "tp": 2}, {}))}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(world_size):
     return launch(_all, world_size, MESHES[world_size], _reference()[1], timeout=300)
 

@@ -24,7 +24,7 @@ BLOCK = param_count(CFG.replace(n_layer=2)) - param_count(CFG.replace(n_layer=1)
 
 
 def _plain(ctx):
-    plan = ParallelPlan(pp=ctx.world_size, microbatches=M)
+    plan = ParallelPlan(pp=ctx.world_size, num_microbatches=M)
     with parallelize(GPT(CFG, seed=TC.seed), Mesh(ctx.comm, pp=ctx.world_size), plan, train_config=TC) as job:
         return job.train(TC.steps, keep_params=True).params
 

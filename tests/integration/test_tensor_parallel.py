@@ -35,14 +35,14 @@ VARIANTS = {"1D": {}, "naive": {"plan": "naive"}, "SP": {"sequence_parallel": Tr
             "SP keep": {"sequence_parallel": True, "regather": False}}
 
 
-def _reference(cfg, accum_steps=1):
+def _reference(cfg, num_microbatches=1):
     model = GPT(cfg).double()
     r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())),
-            ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps), steps=1, probes=[GradProbe()])
+            ShardedBatches(cfg.seq_len, B, num_microbatches=num_microbatches), steps=1, probes=[GradProbe()])
     return r.losses[0], r["grads"]
 
 
-def _variants(ctx, cfg, ref_grads, accum_steps, names=tuple(VARIANTS)):
+def _variants(ctx, cfg, ref_grads, num_microbatches, names=tuple(VARIANTS)):
     out = {}
     for name in names:
         kw = VARIANTS[name]
@@ -51,7 +51,7 @@ def _variants(ctx, cfg, ref_grads, accum_steps, names=tuple(VARIANTS)):
         mem = MemoryProbe(timeline=False)
         with CollectiveLog() as log:
             r = run(tp, optim.build(tp, **optimizer_kwargs(TrainConfig())),
-                    ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
+                    ShardedBatches(cfg.seq_len, B, num_microbatches=num_microbatches),
                     steps=1, probes=[GradProbe(), mem, LayerActivationProbe(mem)])
         out[name] = {"loss": r.losses[0], "sent": ctx.comm.ledger.bytes_sent(), "act": r["layer_activations"],
                      "layers": [layer_traffic(ctx.comm.ledger, i) for i in range(cfg.n_layer)],
@@ -86,7 +86,7 @@ def test_loss_gradients_bytes_and_activations_per_layer_equal_the_reference_and_
 
 def test_sequence_parallel_with_gradient_accumulation_and_tied_weights_equals_the_reference():
     cfg = CFG.replace(tie_weights=True)
-    ref_loss, ref_grads = _reference(cfg, accum_steps=2)
+    ref_loss, ref_grads = _reference(cfg, num_microbatches=2)
     for r in launch(_variants, 2, cfg, ref_grads, 2, ("1D", "SP"), timeout=120):
         assert all(abs(v["loss"] - ref_loss) < TOL and v["dgrad"] < TOL for v in r.values())
 

@@ -60,7 +60,7 @@ class _Toy:
     """Batches of the toy models below: `get(step)` → this rank's (x, y)."""
 
     def __init__(self, rank, n, b):
-        self.rank, self.n, self.b, self.accum_steps, self.micro_batch_size, self.seq_len = rank, n, b, 1, b, 5
+        self.rank, self.n, self.b, self.num_microbatches, self.micro_batch_size, self.seq_len = rank, n, b, 1, b, 5
 
     def get(self, step, micro=0):
         g = torch.Generator().manual_seed(100 + step)
@@ -296,7 +296,7 @@ def _broadcast_and_accumulation_worker(ctx, tc):
     m = GPT("nano", seed=ctx.rank)
     out["fsdp_init"] = FSDP(m, ctx.comm, units=m.blocks).full_state_dict()
     cfg = GPT("nano").config                                    # two micro-batches per step, gradients accumulated
-    data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, accum_steps=2)
+    data = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, num_microbatches=2)
     for name in ("zero2", "fsdp"):
         m = GPT(cfg, seed=tc.seed)
         if name == "zero2":

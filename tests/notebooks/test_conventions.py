@@ -5,8 +5,19 @@ import sys
 
 import pytest
 
-from ._nb import ALL, LABS, NOTEBOOKS, ROOT, SOLUTIONS, assigned_names, is_check_cell, launches_ranks, \
-    parameters_cells, read, rel
+from ._nb import (
+    ALL,
+    LABS,
+    NOTEBOOKS,
+    ROOT,
+    SOLUTIONS,
+    assigned_names,
+    is_check_cell,
+    launches_ranks,
+    parameters_cells,
+    read,
+    rel,
+)
 
 sys.path.insert(0, str(ROOT / "tools"))
 import nbfmt  # noqa: E402

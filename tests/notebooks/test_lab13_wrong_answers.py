@@ -46,8 +46,8 @@ CHOOSE_WRONG = {    # id: (mutations, the ✘ line, a fragment of the hint)
 }
 PLAN = "recompute=job.recompute)"
 PLAN_WRONG = {
-    "sequences_not_microbatches": ([("microbatches=job.microbatches", "microbatches=job.batch // job.dp")],
-                                   "✘ toy plan: dp2·tp1·pp2 mb2 recompute=full: the plan's microbatches is 4, the "
+    "sequences_not_microbatches": ([("num_microbatches=job.num_microbatches", "num_microbatches=job.batch // job.dp")],
+                                   "✘ toy plan: dp2·tp1·pp2 mb2 recompute=full: the plan's num_microbatches is 4, the "
                                    "job's is 2", "each replica's micro-batches, not its sequences"),
     "dp_and_tp_swapped": ([("ParallelPlan(dp=job.dp, tp=job.tp,", "ParallelPlan(dp=job.tp, tp=job.dp,")],
                           "✘ toy plan: dp1·tp2·pp2 mb1 schedule=interleaved chunks=2 sequence_parallel=True: the "

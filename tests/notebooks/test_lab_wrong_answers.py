@@ -66,7 +66,7 @@ LAB03 = _definitions("lab03_ddp.ipynb", ("accumulation_step", "DataParallelToken
 
 def _accumulation(mutations=()):
     step = _load(LAB03, mutations)["accumulation_step"]
-    return lambda: lab03.check_accumulation(step, world_size=N, steps=STEPS, accum_steps=2)
+    return lambda: lab03.check_accumulation(step, world_size=N, steps=STEPS, num_microbatches=2)
 
 
 def _weighted(mutations=()):
@@ -87,7 +87,7 @@ def test_lab03_all_micro_steps_under_no_sync_is_caught_by_where_the_sync_starts(
 
 def test_lab03_unscaled_micro_step_losses_are_caught_as_a_factor_of_k():
     _fails(_accumulation([("(loss / K).backward()", "loss.backward()")]),
-           "accumulation_gradient", "2.000× the reference's", "backpropagate loss / accum_steps")
+           "accumulation_gradient", "2.000× the reference's", "backpropagate loss / num_microbatches")
 
 
 def test_lab03_synchronizing_every_micro_step_is_caught_by_counting_synchronizations():

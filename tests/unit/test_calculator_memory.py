@@ -21,14 +21,14 @@ def test_parameter_count_matches_narayanan_closed_form():
 
 def test_model_states_follow_zero_stages_and_equal_the_techniques_formula():
     from course_lib.calculator.config import RECIPES
-    from course_lib.parallel.zero import model_state_bytes
+    from course_lib.parallel.zero import zero_state_bytes
     psi, n = 1_000_003, 8
     for stage, want in ((0, 16 * psi), (1, 4 * psi + 12 * psi // n), (2, 2 * psi + (2 * psi) // n + 12 * psi // n),
                         (3, 2 * psi // n + 2 * psi // n + 12 * psi // n)):
         assert sum(M.model_states(psi, n, stage).values()) == want
     for name, rc in RECIPES.items():             # the calculator's copy is ZeRO's formula, recipe by recipe
         for stage in range(4):
-            assert M.model_states(psi, n, stage, name) == model_state_bytes(
+            assert M.model_states(psi, n, stage, name) == zero_state_bytes(
                 psi, n, stage, param=rc.params, grad=rc.grads, optim=rc.master + rc.optimizer)
     # experts' states are shared by the expert-data-parallel group only: ZeRO-1 over 8 replicas with ep 4
     e = M.model_states(psi, n, 1, "bf16", expert_psi=psi, expert_shards=2)

@@ -105,7 +105,7 @@ def test_the_rows_beyond_ten_percent_are_exactly_those_with_a_stated_reason(head
     assert headline["within_10"] == headline["predicted"] - len(misses)
     r = next(r for r in headline["rows"] if r["key"] == "1T" and "full" not in r["source"])
     t = r["stage_times"]                    # the reason's numbers are the row's own
-    assert f"{t[-1] / t[0] - 1:.0%} slower" in r["why"] and f"all {r['job'].microbatches} micro-batches" in r["why"]
+    assert f"{t[-1] / t[0] - 1:.0%} slower" in r["why"] and f"all {r['job'].num_microbatches} micro-batches" in r["why"]
 
 
 def test_the_score_maps_memory_traffic_is_what_the_small_models_missed(fitted):

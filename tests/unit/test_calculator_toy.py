@@ -17,7 +17,7 @@ LINK = Link("stated", alpha=1e-4, bandwidth=1e9)
 
 
 def test_modeled_step_composes_stated_op_costs_the_simulator_and_the_formulas_bytes():
-    plan = ParallelPlan(pp=2, dp=2, microbatches=4)
+    plan = ParallelPlan(pp=2, dp=2, num_microbatches=4)
     ranks = toy.modeled_step(CFG, plan, TC, COSTS, LINK, messages={"pp": 8, "dp": 6})
     want = toy.expected(CFG, plan, TC)
     factor = pipeline_factor("1f1b", 2, 4)
@@ -34,7 +34,7 @@ def test_modeled_step_composes_stated_op_costs_the_simulator_and_the_formulas_by
 
 
 def test_a_measured_cost_per_message_replaces_the_links_alpha_and_leaves_the_bytes_term():
-    plan = ParallelPlan(pp=2, dp=2, microbatches=4)
+    plan = ParallelPlan(pp=2, dp=2, num_microbatches=4)
     messages = {"pp": 8, "dp": 6}
     with_link = toy.modeled_step(CFG, plan, TC, COSTS, LINK, messages=messages)
     with_ring = toy.modeled_step(CFG, plan, TC, COSTS, LINK, messages=messages, alpha=7e-4)
@@ -62,7 +62,7 @@ def test_the_step_overhead_is_fitted_on_one_process_and_added_once_to_every_rank
     assert one == pytest.approx(CFG.n_layer * COSTS["block"] + COSTS["ends"], rel=1e-12)
     step = toy.step_overhead(CFG, TC, COSTS, one + 3e-3)
     assert step == pytest.approx(3e-3, rel=1e-9) and toy.step_overhead(CFG, TC, COSTS, one / 2) == 0.0
-    plan = ParallelPlan(pp=2, dp=2, microbatches=4)
+    plan = ParallelPlan(pp=2, dp=2, num_microbatches=4)
     with_step = toy.modeled_step(CFG, plan, TC, {**COSTS, "step": step}, LINK)
     without = toy.modeled_step(CFG, plan, TC, COSTS, LINK)
     for a, b in zip(with_step, without):

@@ -35,14 +35,14 @@ def test_every_layer_is_counted_not_126_floor_16(llama):
     # the TP part is the per-layer charge × the slowest rank's 8 layers × M (integer division gave 7)
     link = S.axis_link("tp", job, cl)
     per = 4 * S.ring_all_reduce_time(link, job.micro_batch * m.seq_len * m.d_model * 2, job.tp)
-    assert st["parts"]["tp"] == pytest.approx(per * 8 * job.microbatches, rel=1e-12)
+    assert st["parts"]["tp"] == pytest.approx(per * 8 * job.num_microbatches, rel=1e-12)
     assert layers[st["busiest_rank"]] == 8
     # compute is the mean rank's: all hardware FLOPs ÷ world at the matmul rate; the rest of the makespan is bubble
     rate = cl.peak_flops
     mean = S.flops_per_token(m)["hardware"] * job.batch * m.seq_len / job.world / rate
     assert st["parts"]["compute"] == pytest.approx(mean, rel=1e-12)
     t = st["stage_times"]
-    makespan = job.microbatches * max(sum(t[r::16]) for r in range(16)) + (sum(t) - max(sum(t[r::16])
+    makespan = job.num_microbatches * max(sum(t[r::16]) for r in range(16)) + (sum(t) - max(sum(t[r::16])
                                                                                       for r in range(16))) / 2
     assert st["parts"]["compute"] + st["parts"]["bubble"] == pytest.approx(makespan, rel=1e-12)
 
@@ -86,7 +86,7 @@ def test_memory_is_the_busiest_ranks(llama):
     dense, _ = M.rank_params(m, job, r)
     n = sum(M.ranks(m, job)[r][:2])
     # activations of rank r: its in-flight chunks ÷ v × its layers × one layer's, + the embedding output on rank 0
-    held = M.in_flight_chunks("interleaved", 16, job.microbatches, 2, r) / 2 * (
+    held = M.in_flight_chunks("interleaved", 16, job.num_microbatches, 2, r) / 2 * (
         n * M.layer_activation_bytes(m, job) + (2 * m.seq_len * m.d_model / job.tp if r == 0 else 0))
     assert mem["device"]["activations"] == pytest.approx(held, rel=1e-12)
     assert mem["device"]["gradients"] == int(4 * dense)                       # FP32 gradients (§3.3.2)

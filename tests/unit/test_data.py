@@ -32,7 +32,7 @@ def test_ranks_and_microsteps_together_see_exactly_the_global_batch(world_size, 
     ref = ShardedBatches(32, world_size * b * accum, seed=7)
     for step in (0, 5):
         X, Y = ref.global_batch(step)
-        parts = [ShardedBatches(32, b, world_size=world_size, rank=r, accum_steps=accum, seed=7).get(step, m)
+        parts = [ShardedBatches(32, b, world_size=world_size, rank=r, num_microbatches=accum, seed=7).get(step, m)
                  for m in range(accum) for r in range(world_size)]
         assert torch.equal(torch.cat([p[0] for p in parts]), X)
         assert torch.equal(torch.cat([p[1] for p in parts]), Y)

@@ -14,7 +14,7 @@ B, M = 1, 2
 
 
 def _batches():
-    return MB.micro_batches(CFG, M, B)
+    return MB.random_batches(CFG, M, B)
 
 
 def _reference(batches):

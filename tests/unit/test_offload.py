@@ -6,21 +6,42 @@ import os
 import pytest
 import torch
 
-from course_lib.core.handles import handle_of
+from course_lib import optim
 from course_lib.core.costmodel import get_link
 from course_lib.core.data import ShardedBatches
 from course_lib.core.files import disk_full, is_temporary
-from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
-from course_lib.memopt.offload import (ActivationOffload, DiskTier, Machine, OffloadAdam, OffloadDiskError,
-                                       OffloadPass, adamw_, apply_activation_offload,
-                                       apply_offload, break_even_speedup, fit_options, gpt_shape, largest_fitting,
-                                       link_schedule, measure_disk, offloaded_activation_peak, save_on_cpu_traffic,
-                                       zero_offload_step_time)
+from course_lib.core.handles import handle_of
+from course_lib.core.model import (
+    GPT,
+    activation_bytes,
+    block_activation_bytes,
+    embed_activation_bytes,
+    get_config,
+    head_activation_bytes,
+)
+from course_lib.memopt.offload import (
+    ActivationOffload,
+    DiskTier,
+    Machine,
+    OffloadAdam,
+    OffloadDiskError,
+    OffloadPass,
+    adamw_,
+    apply_activation_offload,
+    apply_offload,
+    break_even_speedup,
+    fit_options,
+    gpt_shape,
+    largest_fitting,
+    link_schedule,
+    measure_disk,
+    offloaded_activation_peak,
+    save_on_cpu_traffic,
+    zero_offload_step_time,
+)
 from course_lib.memopt.recompute import apply_recompute
-from course_lib.core.model import (GPT, activation_bytes, block_activation_bytes, embed_activation_bytes, get_config,
-                              head_activation_bytes)
+from course_lib.memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError
 from course_lib.parallel.pipeline.stage import PipelineStage, split_layers, stage_activation_bytes
-from course_lib import optim
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 torch.set_num_threads(1)

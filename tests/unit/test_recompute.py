@@ -9,17 +9,28 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib.core.handles import handle_of
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
-from course_lib.memory import MemoryTracker
-from course_lib.memopt.recompute import (CheckpointError, Plan, RecomputePlan, Unit, all_but_matmuls,
-                                         apply_recompute, attention_core, checkpoint, make_plan, recompute_all,
-                                         remove_recompute, torch_policy)
+from course_lib.core.handles import handle_of
+from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config, lm_loss
+from course_lib.memopt.recompute import (
+    CheckpointError,
+    Plan,
+    RecomputePlan,
+    Unit,
+    all_but_matmuls,
+    apply_recompute,
+    attention_core,
+    checkpoint,
+    make_plan,
+    recompute_all,
+    remove_recompute,
+    torch_policy,
+)
 from course_lib.memopt.recompute.costs import formula_costs, plan_extra, plan_peak
 from course_lib.memopt.recompute.measured import FlopProbe, activation_peak, measure_costs
 from course_lib.memopt.recompute.optimum import min_budget, optimal_plan, pareto_front
-from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config, lm_loss
-from course_lib import optim
+from course_lib.memory import MemoryTracker
 from course_lib.train import GradProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 POLICIES = {"full": recompute_all, "selective": attention_core, "all_but_matmuls": all_but_matmuls}

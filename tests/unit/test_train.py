@@ -41,7 +41,7 @@ def test_accumulating_micro_batches_hands_the_optimizer_the_whole_batchs_gradien
     grads = {}
     for K in (1, 4):
         m = GPT(cfg).double()
-        data = ShardedBatches(cfg.seq_len, 8 // K, accum_steps=K)
+        data = ShardedBatches(cfg.seq_len, 8 // K, num_microbatches=K)
         r = run(m, optim.build(m, **optimizer_kwargs(TrainConfig())), data, steps=1, probes=[GradProbe()])
         grads[K] = r["grads"]
     assert max((grads[1][k] - grads[4][k]).abs().max().item() for k in grads[1]) < 1e-12

@@ -7,8 +7,15 @@
     distributed  tier 2: `DistributedShardCache`, a cache spread over the ranks, misses served by the owner peer
 """
 from .distributed import STOP, DistributedShardCache
-from .hit_rates import (PATTERNS, access_pattern, analytic_hit_rate, lru_hits_after, lru_shuffled_hit_probabilities,
-                        poisson_binomial_interval, run_epochs)
+from .hit_rates import (
+                        PATTERNS,
+                        access_pattern,
+                        analytic_hit_rate,
+                        lru_hits_after,
+                        lru_shuffled_hit_probabilities,
+                        poisson_binomial_interval,
+                        run_epochs,
+)
 from .local import POLICIES, CachedSource, CacheTooSmall, ShardCache
 from .owner_maps import ModN, Rendezvous, moved_keys, owners, stable_hash
 

@@ -204,12 +204,12 @@ class ObjectStore:
         self.endpoint_url: str | None = None
 
     # -- lifecycle
-    def start(self) -> "ObjectStore":
+    def start(self) -> ObjectStore:
         if self._server is not None:
             raise StoreError("this ObjectStore is already running; use one `with ObjectStore() as store:` block")
         from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-        from werkzeug.serving import make_server
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
 
         hooks = ServerHooks(DomainDispatcherApplication(create_backend_app))
         hooks.model = self._model
@@ -249,7 +249,7 @@ class ObjectStore:
 
     close = stop                                          # the course's one protocol: close() and `with`
 
-    def __enter__(self) -> "ObjectStore":
+    def __enter__(self) -> ObjectStore:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -295,6 +295,6 @@ class ObjectStore:
         return self._require().stats
 
     # -- clients
-    def access(self, **options) -> "S3Access":
+    def access(self, **options) -> S3Access:
         self._require()
         return S3Access(self.endpoint_url, **options)

@@ -28,14 +28,14 @@ from torch.utils._pytree import tree_flatten
 
 from ...core.costmodel import Link, get_link
 from ...core.handles import attach, detach, handle_of
-from ...distributed.comm import Ledger
-from ..memory_fit import DEFAULT_LINK
-from ...memory import carry_tracking, now, saved_tensors_hooks_over
 from ...core.model import block_activation_bytes, blocks_of, embed_activation_bytes, get_config, head_activation_bytes
+from ...distributed.comm import Ledger
+from ...memory import carry_tracking, now, saved_tensors_hooks_over
+from ..memory_fit import DEFAULT_LINK
 from .schedule import LinkSchedule, OffloadPass, link_schedule
 from .swaps import StorageSwap, _book, _Packed, _Stash, transfer_log
 
-_OWNER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model or block -> ref to its ActivationOffload
+_OWNER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model or block -> ref to its ActivationOffload
 
 
 class _Forward:
@@ -101,7 +101,7 @@ class ActivationOffload(nn.Module):
         self._lock = threading.RLock()
         self._forwards: dict[int, _Forward] = {}  # key -> a forward awaiting (or in) its backward
         self._keys = itertools.count()
-        self._open: "_Forward | None" = None      # the forward running now
+        self._open: _Forward | None = None      # the forward running now
         self._layer = None                        # the layer whose forward is running
         self._saving = None                       # the saved-tensor hooks pushed while it runs
         self._keep: set = set()
@@ -291,19 +291,19 @@ class ActivationOffload(nn.Module):
                 del _OWNER[m]
         detach(self.module, "activation_offload")
 
-    def __enter__(self) -> "ActivationOffload":
+    def __enter__(self) -> ActivationOffload:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     # ---------------------------------------------------------------- the modeled link
-    def modeled_schedule(self, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> LinkSchedule:
+    def modeled_schedule(self, link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0) -> LinkSchedule:
         """The latest forward + backward on a modeled link (see `LinkSchedule`)."""
         return link_schedule(self.last_pass, get_link(link), speedup=speedup)
 
 
-def activation_offload_of(model: nn.Module) -> "ActivationOffload | None":
+def activation_offload_of(model: nn.Module) -> ActivationOffload | None:
     """The `ActivationOffload` hooked on `model` or on this block, if any (a model's own: `handle_of(model,
     'activation_offload')`)."""
     ref = _OWNER.get(model)

@@ -38,17 +38,17 @@ def decision_options(psi: float, m: Machine = _MACHINE) -> dict:
     out["Mobius"] = {"fits": dev <= m.device_bytes and 16 * psi + boundaries <= m.host_bytes, "recompute": True,
                      "device": dev, "host": 16 * psi + boundaries, "disk": 0,
                      "seconds": max(compute * 4 / 3, pcie.time(4 * psi)) + adam}
-    n_micro = max(1, m.sequences_per_step // b)
-    t_f, t_b = compute / 3 / n_micro, 2 * compute / 3 / n_micro
+    num_microbatches = max(1, m.sequences_per_step // b)
+    t_f, t_b = compute / 3 / num_microbatches, 2 * compute / 3 / num_microbatches
     moved = min(max(0.0, 16 * psi + L * layer - m.device_bytes), max(0, L - 2) * layer)   # only what must leave
     dev = 16 * psi + L * layer - moved
     fits = dev <= m.device_bytes
     link = max(0.0, pcie.time(moved) - t_f) + max(0.0, pcie.time(moved) - t_b) if moved else 0.0
     out["vDNN"] = {"fits": fits and moved <= m.host_bytes, "recompute": False, "device": dev, "host": moved,
-                   "disk": 0, "seconds": compute + n_micro * link}
+                   "disk": 0, "seconds": compute + num_microbatches * link}
     disk = max(0.0, moved / m.disk_write - t_f) + max(0.0, moved / m.disk_read - t_b)
     out["FlashNeuron"] = {"fits": fits and moved <= m.disk_bytes, "recompute": False, "device": dev, "host": 0,
-                          "disk": moved, "seconds": compute + n_micro * disk}
+                          "disk": moved, "seconds": compute + num_microbatches * disk}
     return out
 
 

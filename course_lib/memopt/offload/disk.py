@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...distributed.comm import Ledger
 from ...core.files import atomic_write
+from ...distributed.comm import Ledger
 from ...memory import active_trackers, alloc_category, carry_tracking, fmt_bytes, now, placed
 from .swaps import _book, transfer_log
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 
 from ...core.costmodel import Link, Stage, get_link, pipelined_time
-from ...memory import alloc_category, fmt_bytes, placed, saved_tensors_hooks_over
 from ...core.model import block_activation_bytes, blocks_of, get_config
+from ...memory import alloc_category, fmt_bytes, placed, saved_tensors_hooks_over
 from ...transports.paths import Move
 from .disk import DiskTier, OffloadDiskError
 from .swaps import transfer_log
@@ -62,7 +62,7 @@ class ActivationFiles(DiskTier):
     write atomic, the quota checked before it, ENOSPC and a missing or read-only directory turned into one
     `OffloadDiskError` line; the directory removed on close). A file is deleted once its storage has come back."""
 
-    def __init__(self, *, directory=None, quota: "int | None" = None, planned_bytes: int = 0, log=None,
+    def __init__(self, *, directory=None, quota: int | None = None, planned_bytes: int = 0, log=None,
                  durable: bool = False, fault=None):
         self.dtype = torch.uint8
         self.durable = durable
@@ -259,7 +259,7 @@ class RoundedInMemory:
             h.remove()
 
 
-def flashneuron_bytes(cfg, batch_size: int, n_blocks: int, codec: str = "raw", seq_len: "int | None" = None) -> int:
+def flashneuron_bytes(cfg, batch_size: int, n_blocks: int, codec: str = "raw", seq_len: int | None = None) -> int:
     """Bytes written (and read) per step offloading `n_blocks` blocks (the module docstring's formula; fp32)."""
     c = get_config(cfg)
     T = seq_len or c.seq_len
@@ -293,7 +293,7 @@ def select_offload(block_bytes, forward_s, backward_s, *, write_bw: float, read_
         kept -= block_bytes[i]
 
     def exposure(layers):
-        t, free, ends = 0.0, 0.0, []
+        t, free = 0.0, 0.0
         for i in range(n):
             t += forward_s[i]
             if i in layers:
@@ -329,7 +329,7 @@ def storage_paths() -> dict:
     }
 
 
-def storage_path_costs(nbytes: float, *, disk_bw: float, host_copy_bw: float, pcie: "Link | str" = "PCIe Gen4 x16",
+def storage_path_costs(nbytes: float, *, disk_bw: float, host_copy_bw: float, pcie: Link | str = "PCIe Gen4 x16",
                        chunks: int = 16) -> dict:
     """Per path (modeled): host copies, whether the CPU touches the data, host-memory bytes moved (S for each end
     of a move in host memory or the page cache: 4S buffered, 2S with O_DIRECT, 0 with GDS; docs/formulas.md §14.5), CPU seconds (its copies at `host_copy_bw`)

@@ -28,10 +28,15 @@ import torch
 import torch.nn as nn
 
 from ...core.costmodel import Link, get_link
-from ..memory_fit import DEFAULT_LINK
+from ...core.model import (
+    block_activation_bytes,
+    embed_activation_bytes,
+    get_config,
+    head_activation_bytes,
+    stage_bounds,
+)
 from ...memory import alloc_category, fmt_bytes, now, placed
-from ...core.model import (block_activation_bytes, embed_activation_bytes, get_config, head_activation_bytes,
-                      stage_bounds)
+from ..memory_fit import DEFAULT_LINK
 from .swaps import _book, transfer_log
 
 
@@ -67,7 +72,7 @@ def _check_bounds(bounds, n_units: int) -> list:
     return bounds
 
 
-def unit_activation_bytes(cfg, batch_size: int, n_micro: int = 1, seq_len: "int | None" = None,
+def unit_activation_bytes(cfg, batch_size: int, num_microbatches: int = 1, seq_len: int | None = None,
                           elem_bytes: int = 4) -> list:
     """Device activation bytes a unit needs while its stage runs backward, for the partition search: what the
     unit saves for one micro-batch (`model.*_activation_bytes`, recomputed one micro-batch at a time), plus for
@@ -77,7 +82,7 @@ def unit_activation_bytes(cfg, batch_size: int, n_micro: int = 1, seq_len: "int 
     bound, not an exact count: the run's measured peak is checked against the budget, not against this."""
     c = get_config(cfg)
     T = seq_len or c.seq_len
-    edge = n_micro * elem_bytes * batch_size * T * c.d_model
+    edge = num_microbatches * elem_bytes * batch_size * T * c.d_model
     head = head_activation_bytes(c, batch_size, T, elem_bytes) + 5 * elem_bytes * batch_size * T * c.vocab_size
     return [embed_activation_bytes(c, batch_size, T, elem_bytes) + edge,
             *[block_activation_bytes(c, batch_size, T, elem_bytes) + edge] * c.n_layer, head + edge]
@@ -104,11 +109,11 @@ def state_peaks(stage_param_bytes) -> dict:
     return {"parameters": pair, "gradients": pair}
 
 
-def mobius_bytes(stage_param_bytes, n_micro: int, boundary_bytes: int) -> dict:
+def mobius_bytes(stage_param_bytes, num_microbatches: int, boundary_bytes: int) -> dict:
     """h2d and d2h bytes of one Mobius step (docs/formulas.md §14.1)."""
     P = list(stage_param_bytes)
     S, total = len(P), sum(P)
-    acts = n_micro * (S - 1) * boundary_bytes
+    acts = num_microbatches * (S - 1) * boundary_bytes
     return {"h2d": 2 * total - P[-1] + acts, "d2h": total + acts, "boundary": acts}
 
 
@@ -124,7 +129,7 @@ class MobiusTimeline:
     transfers: list = field(default_factory=list)   # (lane 'h2d' | 'd2h', t0, t1, bytes, label)
     total: float = 0.0
     compute_seconds: float = 0.0
-    link: "Link | None" = None
+    link: Link | None = None
 
     @property
     def exposed(self) -> float:
@@ -155,8 +160,8 @@ def mobius_plan(n_stages: int, *, prefetch: bool = True) -> list:
     return ops
 
 
-def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes: int = 0, n_micro: int = 1,
-                    link: "Link | str" = DEFAULT_LINK, prefetch: bool = True, plan=None) -> MobiusTimeline:
+def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes: int = 0, num_microbatches: int = 1,
+                    link: Link | str = DEFAULT_LINK, prefetch: bool = True, plan=None) -> MobiusTimeline:
     """The step of `MobiusExecutor` on a modeled link: `forward_s[s]` and `backward_s[s]` are stage s's compute
     (all micro-batches; backward includes the recomputation), measured or from stated op costs; `plan` the order
     of operations (`mobius_plan(S, prefetch=prefetch)` by default). A load the next compute needs is issued when
@@ -174,7 +179,7 @@ def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes:
         tl.transfers.append((lane, t0, t1, n, label))
         return t1
 
-    acts = n_micro * boundary_bytes
+    acts = num_microbatches * boundary_bytes
     arrived = {}                          # stage -> when its parameters are on the device
     pending = []                          # stages loaded by the plan, not yet sent
     prev_start = prev_end = 0.0           # the compute before this one
@@ -206,8 +211,8 @@ def mobius_timeline(stage_param_bytes, forward_s, backward_s, *, boundary_bytes:
 
 
 def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_bytes: float, *,
-                     activation_bytes=None, boundary_bytes: int = 0, n_micro: int = 1,
-                     link: "Link | str" = DEFAULT_LINK, prefetch: bool = True) -> dict:
+                     activation_bytes=None, boundary_bytes: int = 0, num_microbatches: int = 1,
+                     link: Link | str = DEFAULT_LINK, prefetch: bool = True) -> dict:
     """Every contiguous partition of the units (2^(U−1) of them), each stage count: the fastest modeled step whose
     device bytes fit — Mobius's mixed-integer program solved by enumeration at toy size. A
     partition fits when `states_peak` + the largest stage's `activation_bytes` (per unit, summed; 0 if None) ≤
@@ -225,7 +230,7 @@ def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_b
             continue
         best["feasible"] += 1
         secs = mobius_timeline(P, stage_sums(unit_forward_s, bounds), stage_sums(unit_backward_s, bounds),
-                               boundary_bytes=boundary_bytes, n_micro=n_micro, link=link, prefetch=prefetch).total
+                               boundary_bytes=boundary_bytes, num_microbatches=num_microbatches, link=link, prefetch=prefetch).total
         if secs < best["seconds"]:
             best.update(bounds=bounds, seconds=secs, device=device)
     return best
@@ -242,12 +247,12 @@ def reference_step(cfg, batches, *, seed: int = 0) -> nn.Module:
     return ref
 
 
-def micro_batches(cfg, n_micro: int, batch_size: int = 1, *, seed: int = 0) -> list:
-    """n_micro random (idx, targets) pairs of batch_size × seq_len tokens from a private generator."""
+def random_batches(cfg, num_microbatches: int, batch_size: int = 1, *, seed: int = 0) -> list:
+    """num_microbatches random (idx, targets) pairs of batch_size × seq_len tokens from a private generator."""
     g = torch.Generator().manual_seed(seed)
     c = get_config(cfg)
     return [(torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g),
-             torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g)) for _ in range(n_micro)]
+             torch.randint(0, c.vocab_size, (batch_size, c.seq_len), generator=g)) for _ in range(num_microbatches)]
 
 
 # ---------------------------------------------------------------------------------------------- the real run
@@ -262,7 +267,7 @@ class MobiusExecutor:
     Use inside a `SimulatedAccelerator(budget).track()`: its capacity is the device budget. A budget that cannot hold
     one stage's parameters and gradients is refused before anything moves."""
 
-    def __init__(self, model: nn.Module, bounds, *, device_bytes: "int | None" = None, log=None):
+    def __init__(self, model: nn.Module, bounds, *, device_bytes: int | None = None, log=None):
         self.model = model
         self.units = units_of(model)
         self.bounds = _check_bounds(bounds, len(self.units))
@@ -300,13 +305,13 @@ class MobiusExecutor:
         for p in self.params[s]:
             p.data = torch.empty(0, dtype=p.dtype)
 
-    def _run(self, s: int, x, idx=None, targets=None, n_micro: int = 1):
+    def _run(self, s: int, x, idx=None, targets=None, num_microbatches: int = 1):
         a, b = self.bounds[s]
         for u in range(a, b):
             if u == 0:
                 x = self.model.embed(idx)
             elif u == len(self.units) - 1:
-                x = self.model.loss(self.model.head(x), targets) / n_micro
+                x = self.model.loss(self.model.head(x), targets) / num_microbatches
             else:
                 x = self.model.blocks[u - 1](x)
         return x
@@ -399,13 +404,13 @@ class MobiusExecutor:
                 p.data = h
                 p.grad = g
 
-    def timeline(self, link: "Link | str" = DEFAULT_LINK, *, n_micro: int = 1, boundary_bytes: int = 0,
+    def timeline(self, link: Link | str = DEFAULT_LINK, *, num_microbatches: int = 1, boundary_bytes: int = 0,
                  plan=None) -> MobiusTimeline:
         """The last step's measured compute on the modeled link."""
         return mobius_timeline(self.stage_bytes, self.forward_s, self.backward_s, boundary_bytes=boundary_bytes,
-                               n_micro=n_micro, link=link, plan=plan)
+                               num_microbatches=num_microbatches, link=link, plan=plan)
 
 
 __all__ = ["units_of", "unit_bytes", "unit_activation_bytes", "even_partition", "stage_sums", "states_peak",
            "state_peaks", "mobius_bytes", "MobiusTimeline", "mobius_plan", "mobius_timeline", "search_partition",
-           "reference_step", "micro_batches", "MobiusExecutor"]
+           "reference_step", "random_batches", "MobiusExecutor"]

@@ -51,7 +51,7 @@ def cross_mapping(n_stages: int, topo: Topology) -> list:
     return [order[s % topo.n_gpus] for s in range(n_stages)]
 
 
-def mobius_cluster_time(stage_bytes, forward_s, backward_s, n_micro: int, topo: Topology, mapping) -> dict:
+def mobius_cluster_time(stage_bytes, forward_s, backward_s, num_microbatches: int, topo: Topology, mapping) -> dict:
     """Modeled seconds of one Mobius step on `topo` (a fluid, event-driven simulation).
 
     Work items: the stages' forwards 0 … S−1, then their backwards S−1 … 0, each on GPU mapping[s], M micro-batches
@@ -83,7 +83,7 @@ def mobius_cluster_time(stage_bytes, forward_s, backward_s, n_micro: int, topo: 
         i = q.index(j)
         return i == 0 or q[i - 1] in started
 
-    while len(done) < len(items) * n_micro:
+    while len(done) < len(items) * num_microbatches:
         for j in remaining:                                # loads whose slot is free start now
             if j not in active and remaining[j] > 0 and may_load(j):
                 active.add(j)
@@ -121,19 +121,19 @@ def mobius_cluster_time(stage_bytes, forward_s, backward_s, n_micro: int, topo: 
                 done[(b[1], b[2])] = t
                 busy[g] = None
                 mb[g] += 1
-                if mb[g] == n_micro:
+                if mb[g] == num_microbatches:
                     mb[g], pos[g] = 0, pos[g] + 1
     return {"seconds": t, "waiting": waited, "loads_per_switch": share[0] / share[1] if share[1] else 0.0}
 
 
-def zero3_offload_time(param_bytes: float, compute_s: float, n_micro: int, topo: Topology) -> dict:
+def zero3_offload_time(param_bytes: float, compute_s: float, num_microbatches: int, topo: Topology) -> dict:
     """DeepSpeed ZeRO-3 + offload on `topo`, modeled as favourably as possible: data parallel over the N GPUs
-    (n_micro/N micro-batches each, `compute_s` seconds of forward + backward per micro-batch), every GPU gathering
+    (num_microbatches/N micro-batches each, `compute_s` seconds of forward + backward per micro-batch), every GPU gathering
     all P parameter bytes through host memory for each micro-batch's forward and again for its backward (no
     peer-to-peer on commodity GPUs), all GPUs at once — each at min(B_gpu, B_up/per_switch) — and every transfer
     perfectly overlapped with compute: T = max(compute, link)."""
     link, up = get_link(topo.link), get_link(topo.uplink)
-    per_gpu = max(1, -(-n_micro // topo.n_gpus))
+    per_gpu = max(1, -(-num_microbatches // topo.n_gpus))
     rate = min(link.bandwidth, up.bandwidth / topo.per_switch)
     comm = per_gpu * 2 * param_bytes / rate
     compute = per_gpu * compute_s

@@ -20,7 +20,6 @@ from ...optim import adamw_
 from .disk import DiskTier
 from .swaps import _book, transfer_log
 
-
 TIERS = ("device", "host", "disk")
 
 

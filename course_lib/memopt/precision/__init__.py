@@ -17,7 +17,7 @@ mesh — is course_lib.optim (`MixedPrecisionOptimizer`, `overflow_vote`), re-ex
 from __future__ import annotations
 
 from .formats import FORMATS, Format, _f32, cast, get_format, round_to, saturating_cast, spacing  # noqa: F401
-from .fp8 import Fp8Linear, Fp8Scaling, Fp8Matmul, apply_fp8, fp8_scalings  # noqa: F401
+from .fp8 import Fp8Linear, Fp8Matmul, Fp8Scaling, apply_fp8, fp8_scalings  # noqa: F401
 from .loss_scale import DynamicLossScaler, grad_scaler_trajectory, scaler_trajectory
 from .mixed import MixedPrecisionModel, apply_precision, backward_gradients, fp32_accumulation, underflow_fraction
 from .recipes import RECIPES, Recipe, bytes_per_parameter, get_recipe, model_state_bytes

@@ -100,7 +100,7 @@ class Fp8Linear(nn.Linear):
         self.fp8 = _scalings(delayed=delayed, history_len=history_len, margin=margin)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, **kw) -> "Fp8Linear":
+    def from_linear(cls, lin: nn.Linear, **kw) -> Fp8Linear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features

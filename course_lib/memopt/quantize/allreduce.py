@@ -19,7 +19,6 @@ from ...memory import alloc_category
 from ..precision.formats import get_format
 from .blockwise import PAPER_BLOCK_SIZE, QTensor, dequantize_blockwise, payload_bytes, quantize_blockwise
 
-
 COMM_KINDS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
 QGRAD_TAG = "qgrad"
 

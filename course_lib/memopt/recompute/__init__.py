@@ -131,7 +131,7 @@ def _blocks_and_cuts(model) -> tuple[list, set]:
     return blocks, set(itertools.accumulate(sizes))
 
 
-def apply_recompute(model, mesh=None, *, policy: "str | RecomputePlan" = "full", k: int | None = None, blocks=None,
+def apply_recompute(model, mesh=None, *, policy: str | RecomputePlan = "full", k: int | None = None, blocks=None,
                     selective_policy=attention_core, preserve_rng_state: bool = True):
     """Recompute the activations of the blocks `model` runs (`model.blocks_of`: a GPT's, a TensorParallelGPT's, a
     pipeline stage's — only this rank's, in order — or those inside a wrapper's `.module`), or of `blocks`,

@@ -20,7 +20,7 @@ def stage_chain(costs: ChainCosts, bounds, stage: int) -> ChainCosts:
                       tuple(costs.blocks[start:end]))
 
 
-def pipeline_peaks(schedule, bounds, costs: ChainCosts, policy: "str | dict" = "full") -> list[int]:
+def pipeline_peaks(schedule, bounds, costs: ChainCosts, policy: str | dict = "full") -> list[int]:
     """Per pipeline rank, the activation peak of `schedule` (no B/W split) when every (virtual) stage recomputes its
     blocks by `policy` — a name for `make_plan` or {stage: RecomputePlan}. Each micro-batch in flight on stage k holds
     held_k = `plan_held` of the stage's chain; the one whose backward runs needs work_k = `plan_peak` at once. With

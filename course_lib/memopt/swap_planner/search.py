@@ -40,7 +40,7 @@ def no_swap() -> SwapPlan:
     return SwapPlan({}, {}, "no offload")
 
 
-def swap_all(trace: Trace, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> SwapPlan:
+def swap_all(trace: Trace, link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0) -> SwapPlan:
     """Every candidate swapped, each let go and prefetched just late and early enough to hide its own transfer
     (vDNN's 'offload all')."""
     link = get_link(link)
@@ -50,7 +50,7 @@ def swap_all(trace: Trace, link: "Link | str" = DEFAULT_LINK, *, speedup: float 
     return plan
 
 
-def greedy(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> "SwapPlan | None":
+def greedy(trace: Trace, budget: int, link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0) -> SwapPlan | None:
     """While the modeled peak is over the budget, swap the largest candidate resident at the peak op that is idle
     there (tie: the longest idle window), timed to hide its own transfer but off the device at that op. None: this
     baseline cannot reach the budget."""
@@ -87,8 +87,8 @@ def evolve(pop: list, fitness, random_genes, rng, *, population: int, generation
     return min(pop, key=fitness)
 
 
-def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0,
-            population: int = 32, generations: int = 30, seed: int = 0) -> "SwapPlan | None":
+def genetic(trace: Trace, budget: int, link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0,
+            population: int = 32, generations: int = 30, seed: int = 0) -> SwapPlan | None:
     """A genetic search over plans (SwapAdvisor's method, here on what to swap and when, not on the op order).
 
     Genome: two genes per candidate c. out ∈ {0 = keep it, 1…6}: let the original go after f·t_c of compute,
@@ -128,7 +128,7 @@ def genetic(trace: Trace, budget: int, link: "Link | str" = DEFAULT_LINK, *, spe
             cache[key] = (o.peak > budget, max(0, o.peak - budget), o.seconds)
         return cache[key]
 
-    def genome_of(plan: "SwapPlan | None"):
+    def genome_of(plan: SwapPlan | None):
         g = np.zeros(2 * len(C), dtype=np.int64)
         g[len(C):] = 1
         if plan is not None:

@@ -45,8 +45,8 @@ import torch
 import torch.nn as nn
 
 from ...core.handles import attach, inherit
-from ...distributed.mesh import axis_comm
 from ...core.model import activation_bytes, blocks_of, get_config, lm_loss
+from ...distributed.mesh import axis_comm
 
 LAYOUTS = ("contiguous", "zigzag")
 

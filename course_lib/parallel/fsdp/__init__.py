@@ -58,8 +58,7 @@ from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_by
 from ...distributed.flat import broadcast_tensors
 from ...distributed.mesh import axis_comm
 from ...memory import saved_tensors_hooks_over
-from .replicate import ReplicatedGroup, _Replicate, check_names, replication_rule
-from .replicate import REPLICATION_RULES, norms_and_biases  # noqa: F401  (re-exported: `FSDP(…, replicate=…)`)
+from .replicate import REPLICATION_RULES, ReplicatedGroup, _Replicate, check_names, norms_and_biases, replication_rule  # noqa: F401  (re-exported: `FSDP(…, replicate=…)`)
 from .shard import ShardedGroup, Unshard, shard_rows  # noqa: F401  (re-exported: notebook 04 shows them)
 
 
@@ -215,7 +214,7 @@ class FSDP(nn.Module):
             h.remove()
         self._hooks.clear()
 
-    def __enter__(self) -> "FSDP":
+    def __enter__(self) -> FSDP:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,6 @@ from .executor import (
                        GRADIENT_TAG,
                        Pipeline,
                        PipelineLayout,
-                       PipelinePlan,
                        apply_pipeline,
                        boundary_bytes,
                        plan_pipeline,
@@ -51,7 +50,7 @@ from .stage import (
                        stage_activation_bytes,
 )
 
-__all__ = ["ACTIVATION_TAG", "GRADIENT_TAG", "Pipeline", "PipelineLayout", "PipelinePlan", "apply_pipeline",
+__all__ = ["ACTIVATION_TAG", "GRADIENT_TAG", "Pipeline", "PipelineLayout", "apply_pipeline",
            "boundary_bytes", "plan_pipeline", "COSTS", "GENERATORS", "Op", "Schedule", "ScheduleError",
            "bubble_formula", "bubble_fraction", "gpipe", "in_flight", "interleaved_1f1b", "make_schedule",
            "one_f_one_b", "peak_bytes", "simulate", "validate", "zb_h1", "PipelineStage", "defer_weight_grads",

@@ -2,10 +2,10 @@
 forward and their gradients backward through the traffic ledger, so every byte between stages is counted.
 
     stage = apply_pipeline(GPT(cfg), mesh, schedule="1f1b", num_microbatches=M)
-    train.run(stage, optim.build(stage, lr=…), mesh.batches(T, b, accum_steps=M),
+    train.run(stage, optim.build(stage, lr=…), mesh.batches(T, b, num_microbatches=M),
               steps=…, step_fn=handle_of(stage, "pipeline"))          # THE training loop; the optimizer steps this stage
 
-(`parallelize(model, mesh, ParallelPlan(pp=S, microbatches=M, …))` is that setup, with whatever else composes.)
+(`parallelize(model, mesh, ParallelPlan(pp=S, num_microbatches=M, …))` is that setup, with whatever else composes.)
 
 Every forward goes through the model `train.run` hands the step function — the outermost wrapper around the stage
 (data parallelism, precision, offload …), called as `model(x, targets, stage=k)` — so whatever wraps the stage runs
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from ...core.handles import attach, inherit
+from ...core.model import GPTConfig, get_config
 from ...distributed.mesh import axis_comm
 from ...memory import now
-from ...core.model import GPTConfig, get_config
 from .schedules import Op, Schedule, make_schedule
 from .stage import PipelineStage, check_splittable, defer_weight_grads, run_weight_grads, split_layers
 
@@ -74,10 +74,9 @@ class PipelineLayout:
                 "head": self.schedule.num_virtual_stages - 1 in stages}
 
 
-PipelinePlan = PipelineLayout          # its former name (notebooks and labs may still use it)
 
 
-def plan_pipeline(cfg: "GPTConfig | str", pp_size: int, num_microbatches: int, schedule="1f1b", *, chunks: int = 1,
+def plan_pipeline(cfg: GPTConfig | str, pp_size: int, num_microbatches: int, schedule="1f1b", *, chunks: int = 1,
                   layers=None, world_size: int | None = None) -> PipelineLayout:
     """Check the pipeline's shape and build its plan; every bad input raises ONE ValueError that names the fix —
     call it before `launch` (apply_pipeline calls it again on every rank, before any rank talks to another)."""
@@ -205,9 +204,9 @@ class Pipeline:
         over the M micro-batches on the rank that holds the last stage, NaN elsewhere (the loss lives there;
         sending it would add traffic to the boundary count)."""
         M = self.schedule.num_microbatches
-        if getattr(batches, "accum_steps", M) != M:
-            raise ValueError(f"the pipeline runs M={M} micro-batches per step but the batches have accum_steps="
-                             f"{batches.accum_steps}; use mesh.batches(seq_len, micro_batch_size, accum_steps={M})")
+        if getattr(batches, "num_microbatches", M) != M:
+            raise ValueError(f"the pipeline runs M={M} micro-batches per step but the batches have num_microbatches="
+                             f"{batches.num_microbatches}; use mesh.batches(seq_len, micro_batch_size, num_microbatches={M})")
         self._model = self.stage if model is None else model
         self._shape = self.stage.hidden_shape(batches.micro_batch_size, batches.seq_len)
         self._dtype = next(self.stage.parameters()).dtype
@@ -284,5 +283,5 @@ def boundary_bytes(plan: PipelineLayout, micro_batch_size: int, seq_len: int, d_
     return out
 
 
-__all__ = ["PipelineLayout", "PipelinePlan", "plan_pipeline", "Pipeline", "apply_pipeline", "boundary_bytes",
+__all__ = ["PipelineLayout", "plan_pipeline", "Pipeline", "apply_pipeline", "boundary_bytes",
            "ACTIVATION_TAG", "GRADIENT_TAG"]

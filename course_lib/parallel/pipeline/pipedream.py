@@ -26,8 +26,8 @@ import torch
 from torch.func import functional_call
 
 from ...core.data import ShardedBatches
-from ...memory import MemoryTracker, alloc_category, register_category, untracked
 from ...core.model import GPT
+from ...memory import MemoryTracker, alloc_category, register_category, untracked
 from .executor import Pipeline, plan_pipeline
 from .stage import PipelineStage
 
@@ -124,7 +124,7 @@ def pipedream_run(ctx, cfg, mode: str, num_microbatches: int, micro_batch_size: 
     model = GPT(cfg, seed=seed).to(dtype)
     stage = PipelineStage(model, [ctx.rank], plan.bounds, ctx.world_size)
     pipe = AsyncPipeline(stage, ctx.comm, plan, mode=mode, lr=lr, batch_microbatches=batch_microbatches, check=check)
-    data = ShardedBatches(cfg.seq_len, micro_batch_size, accum_steps=num_microbatches, seed=seed)
+    data = ShardedBatches(cfg.seq_len, micro_batch_size, num_microbatches=num_microbatches, seed=seed)
     with MemoryTracker(timeline=False) as mem:
         mem.watch(stage)
         pipe.run(data, 0)
@@ -141,7 +141,7 @@ def two_bw_reference(cfg, num_batches: int, batch_microbatches: int, micro_batch
     W⁽ᵗ⁺¹⁾ = W⁽ᵗ⁾ − ν·g_t. Returns the final parameters by name."""
     model = GPT(cfg, seed=seed).to(dtype)
     m, b = batch_microbatches, micro_batch_size
-    data = ShardedBatches(cfg.seq_len, b, accum_steps=num_batches * m, seed=seed)
+    data = ShardedBatches(cfg.seq_len, b, num_microbatches=num_batches * m, seed=seed)
     older = {k: p.detach().clone() for k, p in model.named_parameters()}       # W(t−1)
     for t in range(num_batches):
         w = {k: v.clone().requires_grad_() for k, v in older.items()}

@@ -27,13 +27,22 @@ import torch
 import torch.nn as nn
 
 from ...core.handles import attach, inherit
-from ...distributed.mesh import axis_comm
-from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...core.model import GPT, TP_PLAN, blocks_of
+from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ...distributed.mesh import axis_comm
 from ..pipeline.stage import PipelineStage
-from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_reduce, f, g_sp,
-                       layer_bytes,
-                       padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
+from .megatron import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce,
+    f,
+    g_sp,
+    layer_bytes,
+    padded_vocab,
+    sp_layer_bytes,
+    vocab_parallel_cross_entropy,
+)
 from .sequence import SequenceParallelLayerNorm, SequenceParallelRegion, saving_slice_only
 
 STYLES = ("vocab_embedding", "region", "colwise", "rowwise", "sequence", "replicate", "vocab_head")
@@ -171,7 +180,7 @@ class TensorParallelGPT(nn.Module):
         logits = self.head(x)
         loss = None if targets is None else self.loss(logits, targets)
         if loss is not None and self.config.n_expert:          # the load-balancing loss, as the GPT adds it
-            from ...core.model import moe_aux_loss              # (SP: each tp rank's share of the mean over its
+            from ...core.model import moe_aux_loss  # (SP: each tp rank's share of the mean over its
             loss = loss + moe_aux_loss(self) / (self.tp_size if self.sequence_parallel else 1)   # slices' groups)
         return logits, loss
 

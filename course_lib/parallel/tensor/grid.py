@@ -34,8 +34,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ...distributed.collectives import (all_gather_ring, all_reduce_ring, broadcast_tree, reduce_scatter_ring, reduce_tree,
-                                 ring_all_reduce_bytes)
+from ...distributed.collectives import (
+    all_gather_ring,
+    all_reduce_ring,
+    broadcast_tree,
+    reduce_scatter_ring,
+    reduce_tree,
+    ring_all_reduce_bytes,
+)
 from ...distributed.mesh import Mesh
 from .megatron import f
 

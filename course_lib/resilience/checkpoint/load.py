@@ -13,9 +13,20 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from .fileformat import (FORMAT, MANIFEST, META, CheckpointError, CheckpointMismatch, CheckpointWarning,
-                                CorruptCheckpoint, NoCheckpoint, _sha256, list_checkpoints, step_name)
 from ..state import Piece, ResumedBatches, TrainingState, data_position, set_rng_state, training_state
+from .fileformat import (
+    FORMAT,
+    MANIFEST,
+    META,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    NoCheckpoint,
+    _sha256,
+    list_checkpoints,
+    step_name,
+)
 
 
 # ============================================================================================ verify and load

@@ -8,6 +8,7 @@ and those below (tests/test_layering.py reads every import, function-local ones 
       core/          the toy GPT (model, moe), its data, the atomic write (files), the alpha-beta link model
                      (costmodel), the plots every notebook draws
       memory/        exact live bytes by category × placement (device/host/disk), timeline, simulated accelerator
+      lab            `python -m course_lib.lab`: the course's set-up (kernel, JupyterLab settings) and JupyterLab
     distributed
       distributed/   launch (real ranks), comm (the traffic ledger), mesh (pp × dp × cp × tp, ep inside dp),
                      collectives, all-to-all, flat buffers

@@ -10,9 +10,9 @@ import re
 import sys
 from pathlib import Path
 
-MIN_PYTHON = (3, 10)
-FIX = "From the course folder run `make lab` (it installs everything into .venv and registers the course kernel), " \
-      "then pick the kernel 'Python (LLM systems course)' in JupyterLab."
+MIN_PYTHON = (3, 11)   # numpy, matplotlib, ipykernel and nbgrader as pinned need 3.11
+FIX = "From the course folder run `make lab` (it installs everything into .venv and opens JupyterLab with it), or " \
+      "`pip install -e <course folder>` into this kernel's environment and restart the kernel."
 
 
 class EnvironmentProblem(RuntimeError):
@@ -28,7 +28,8 @@ def check_python(version: tuple[int, int] = sys.version_info[:2]) -> None:
 
 
 def pinned_requirements(pyproject: Path | None = None) -> dict[str, str]:
-    """Map package name -> pinned version, read from pyproject.toml (every `name==version` line)."""
+    """Map package name -> pinned version, read from pyproject.toml (every `name==version` line, with or without an
+    environment marker)."""
     pyproject = pyproject or Path(__file__).resolve().parent.parent / "pyproject.toml"
     if not pyproject.exists():  # installed non-editable: fall back to the package metadata
         reqs = md.requires("course-lib") or []
@@ -37,7 +38,7 @@ def pinned_requirements(pyproject: Path | None = None) -> dict[str, str]:
         text = pyproject.read_text()
     # "name==1.0" or "name[extra]==1.0"; the extra does not change which distribution is pinned
     return {m.group(1).lower(): m.group(2)
-            for m in re.finditer(r'"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^"\s;]+)"', text)}
+            for m in re.finditer(r'"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^"\s;]+)\s*(?:;[^"]*)?"', text)}
 
 
 def check_environment(verbose: bool = True, required=("torch", "numpy", "matplotlib", "tqdm", "ipywidgets", "psutil")) -> None:

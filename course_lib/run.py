@@ -5,8 +5,8 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
              --rdzv-endpoint HEAD_NODE:29500 -m course_lib.run my_worker.py:worker --backend nccl
 
-The worker is the same function a notebook passes to `course_lib.distributed.launch.launch`; under torchrun each process runs
-its own rank and rank 0 prints every rank's result.
+The worker is the same function a notebook passes to `course_lib.distributed.launch.launch`; under torchrun each
+process runs its own rank and rank 0 prints every rank's result.
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .core.data import ByteTokenizer, ShardedBatches
-from .memory import now, untracked
 from .core.model import GPT, GPTConfig, get_config
+from .memory import now, untracked
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ class TrainResult:
         return self.tokens / self.seconds if self.seconds else float("nan")
 
 
-def train_reference(cfg: "GPTConfig | str" = "micro", tc: TrainConfig = TrainConfig(), *, progress: bool = True,
+def train_reference(cfg: GPTConfig | str = "micro", tc: TrainConfig = TrainConfig(), *, progress: bool = True,
                     model: GPT | None = None, desc: str = "reference") -> TrainResult:
     """Train on one process with the global batch; return the loss history (and the model and optimizer)."""
     cfg = get_config(cfg)
@@ -356,7 +356,7 @@ def uniform_loss(vocab_size: int = 256) -> float:
     return math.log(vocab_size)
 
 
-def profile_training_memory(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, *, steps: int = 2,
+def profile_training_memory(cfg: GPTConfig | str, batch_size: int, seq_len: int | None = None, *, steps: int = 2,
                             tc: TrainConfig = TrainConfig(), capacity=None, timeline: bool = True):
     """Run `steps` training steps of a fresh model under the memory accountant; return (report, psi, n_tensors).
 
@@ -367,7 +367,8 @@ def profile_training_memory(cfg: "GPTConfig | str", batch_size: int, seq_len: in
     if seq_len is not None:
         cfg = cfg.replace(seq_len=seq_len)
     model = GPT(cfg, seed=tc.seed)
-    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(tc))   # what the probe measures: AdamW, 8 B/param of state
+    # what the probe measures: AdamW, 8 B/param of state
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(tc))
     batches = ShardedBatches(cfg.seq_len, batch_size, seed=tc.data_seed)
     r = run(model, opt, batches, steps=steps, probes=[MemoryProbe(capacity=capacity, timeline=timeline)])
     params = list(model.parameters())

@@ -11,7 +11,7 @@ ROOT = Path(course_lib.__file__).parent
 # Bottom to top: a module may import its own layer and the layers below. The first package component decides
 # (`course_lib.parallel.zero` is in "techniques"); the package itself (`course_lib/__init__.py`) is a foundation.
 LAYERS = (
-    ("foundation", {"", "_env", "core", "memory"}),
+    ("foundation", {"", "_env", "lab", "core", "memory"}),
     ("distributed", {"distributed", "run"}),
     ("train", {"train"}),
     ("techniques", {"parallel", "memopt", "optim", "transports"}),

@@ -24,12 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch                          # noqa: E402
-import torch.distributed as dist      # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-from course_lib.distributed import collectives    # noqa: E402
-from course_lib.distributed.comm import Event, Ledger   # noqa: E402
-from course_lib.core.costmodel import bus_bandwidth   # noqa: E402
+from course_lib.core.costmodel import bus_bandwidth  # noqa: E402
+from course_lib.distributed import collectives  # noqa: E402
+from course_lib.distributed.comm import Event, Ledger  # noqa: E402
 from course_lib.distributed.launch import launch  # noqa: E402
 
 VARIANTS = ("gloo dist.all_reduce", "ledger comm.all_reduce", "own all_reduce_ring")

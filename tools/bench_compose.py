@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from course_lib.composer.parallelize import ParallelPlan, parallelize
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config
-from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import TrainConfig
 
 

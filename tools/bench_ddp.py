@@ -31,10 +31,10 @@ def main(argv=None) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from course_lib.distributed.launch import launch
-    from course_lib.core.model import get_config, param_count
-    from course_lib.parallel import dp as D
     from course_lib import optim
+    from course_lib.core.model import get_config, param_count
+    from course_lib.distributed.launch import launch
+    from course_lib.parallel import dp as D
     from course_lib.train import TrainConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

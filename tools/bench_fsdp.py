@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from course_lib.distributed.launch import launch
-from course_lib.core.model import get_config, param_count
-from course_lib.parallel.zero import STAGE_NAMES, apply_zero
 from course_lib.composer.parallelize import train_parallel
-from course_lib.train import TrainConfig, optimizer_kwargs
+from course_lib.core.model import get_config, param_count
+from course_lib.distributed.launch import launch
+from course_lib.parallel.zero import STAGE_NAMES, apply_zero
+from course_lib.train import TrainConfig
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 import nbformat
@@ -304,8 +304,8 @@ def stage(src: Path, executed: Path, root: Path = ROOT) -> dict[str, str]:
         shutil.copyfile(path, src / download)
     _write(src / "docs" / "formulas.md", "(formulas-sheet)=\n" + link_mentions(
         repository_links(label_formula_sections(formulas)), labels, docs))
-    ran = min(datetime.fromtimestamp((executed / "notebooks" / p.name).stat().st_mtime, timezone.utc)
-              for p in lectures_src) if lectures_src else datetime.now(timezone.utc)
+    ran = min(datetime.fromtimestamp((executed / "notebooks" / p.name).stat().st_mtime, UTC)
+              for p in lectures_src) if lectures_src else datetime.now(UTC)
     lectures = {d: t for d, t in titles.items() if d.startswith("notebooks/")}
     labs = {d: t for d, t in titles.items() if d.startswith("labs/")}
     _write(src / "index.md", contents(lectures, labs, f"{ran:%Y-%m-%d %H:%M} UTC", git_state(root)))

@@ -29,7 +29,7 @@ import argparse
 import re
 import shutil
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nbformat
@@ -122,7 +122,7 @@ def _nbgrader(kind: str, grade_id: str, points: int = 0) -> dict:
     return meta
 
 
-def nbgrader_source(solution: Path) -> "nbformat.NotebookNode":
+def nbgrader_source(solution: Path) -> nbformat.NotebookNode:
     """The solution notebook with nbgrader's cell metadata: answer cells and autograded check cells."""
     nb = nbformat.read(solution, as_version=4)
     rel, answers, checks, ids = f"solutions/{solution.name}", 0, 0, set()
@@ -194,7 +194,7 @@ def collect(course: Path, student: str, notebooks: list[Path], root: Path = ROOT
         target = course / "submitted" / student / path.name.split("_")[0] / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
-        when = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+        when = datetime.fromtimestamp(path.stat().st_mtime, UTC)
         (target.parent / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
         print(f"wrote {target} (handed in {when:%Y-%m-%d %H:%M} UTC)")
     return problems

@@ -11,11 +11,11 @@
 
 Stored form: nbformat 4.5, no outputs, no execution counts, sequential cell ids, cell metadata limited to `tags` (and
 `nbgrader`, which labs/ carries), notebook metadata limited to kernelspec, language_info and `course`. kernelspec and
-language_info are exactly what JupyterLab writes into a notebook once the course kernel starts (the kernelspec's
-name, display name and language; the kernel's whole kernel_info language_info): JupyterLab compares them with the
-stored values, and any difference marks an untouched notebook modified. language_info's `version` is the Python
-that first normalised the file and is kept from then on, so normalising on another Python does not rewrite every
-notebook; only there, JupyterLab still updates that one string on open.
+language_info are exactly what JupyterLab writes into a notebook once its kernel (the standard `python3`) starts
+(the kernelspec's name, display name and language; the kernel's whole kernel_info language_info): JupyterLab
+compares them with the stored values, and any difference marks an untouched notebook modified. language_info's
+`version` is the Python that first normalised the file and is kept from then on, so normalising on another Python
+does not rewrite every notebook; only there, JupyterLab still updates that one string on open.
 """
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELSPEC = {"name": "llm-systems-course", "display_name": "Python (LLM systems course)", "language": "python"}
+# The standard kernel every Jupyter has (ipykernel's own `python3`), not the course's named one: a notebook that names
+# a kernel only `make lab` registers fails under papermill/nbclient elsewhere (NoSuchKernel) and makes hosted notebooks
+# ask for a kernel. `make lab` runs JupyterLab from .venv, whose python3 is the course's Python (one OpenMP thread:
+# `course_lib.lab` sets it for every kernel the server starts).
+KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
 
 def kernel_language_info() -> dict:

@@ -9,7 +9,7 @@ top, as pip applies them) and passes each setting to uv as the matching option, 
 packages. The resolution is pip's too: the best version over every index (`--index-strategy unsafe-best-match`),
 where uv's default would stop at the first index that has the package.
 
-    python tools/uv_install.py -e ".[lab,test]"      what install.sh runs
+    python tools/uv_install.py -e ".[pinned,lab,test]"   what install.sh runs
     python tools/uv_install.py --print               show the uv command instead of running it
 """
 from __future__ import annotations

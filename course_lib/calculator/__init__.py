@@ -22,5 +22,5 @@ from .planner import Plan, decision_flow, evaluate, plan
 from .step_time import IDEAL, Efficiency
 
 __all__ = ["RECIPES", "CalculatorError", "Cluster", "Decoder", "Job", "check_job", "ends_split", "validate", "Prices",
-           "break_even_utilisation", "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan", "decision_flow", "evaluate",
-           "plan", "IDEAL", "Efficiency"]
+           "break_even_utilisation", "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan",
+           "decision_flow", "evaluate", "plan", "IDEAL", "Efficiency"]

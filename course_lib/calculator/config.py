@@ -168,7 +168,7 @@ class Decoder:
     def moe_layers(self) -> int:
         return self.n_layer - self.dense_layers if self.n_expert else 0
 
-    def replace(self, **changes) -> "Decoder":
+    def replace(self, **changes) -> Decoder:
         return replace(self, **changes)
 
 
@@ -190,8 +190,8 @@ class Cluster:
     device_memory: float
     peak_flops: float
     devices_per_node: int
-    intra: "Link | str"
-    inter: "Link | str"
+    intra: Link | str
+    inter: Link | str
     num_devices: int = 1 << 30         # how many there are (the planner stays within it)
     watts: float | None = None
     memory_bandwidth: float | None = None   # device memory (HBM) bytes/s; None: memory-bound ops not modelled
@@ -231,7 +231,7 @@ class Job:
     zero: int = 1
     schedule: str = "1f1b"
     chunks: int = 1
-    stage_layers: "tuple | str | None" = None
+    stage_layers: tuple | str | None = None
     sequence_parallel: bool = False
     recompute: str | None = None
     precision: str = "bf16"
@@ -282,7 +282,7 @@ class Job:
                                 "offload", "precision") and getattr(self, f.name) != getattr(d, f.name)]
         return " ".join(parts)
 
-    def replace(self, **changes) -> "Job":
+    def replace(self, **changes) -> Job:
         return replace(self, **changes)
 
 

@@ -17,7 +17,6 @@ hidden constant.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from .config import CalculatorError
@@ -61,7 +60,7 @@ class Prices:
         return self.watts / 1000 * self.pue * self.electricity_per_kwh
 
     @classmethod
-    def published(cls, gpu: str = "H100 80GB", lifetime_years: float = 5.0, system: bool = False) -> "Prices":
+    def published(cls, gpu: str = "H100 80GB", lifetime_years: float = 5.0, system: bool = False) -> Prices:
         """The figures of data/published/hardware_and_prices.json (H100 only has rent and purchase prices there);
         `lifetime_years` is a choice (5 is a common depreciation period), not a published figure. `system`: price
         the whole system — the 8-GPU server's price ÷ 8 less the GPU's, the InfiniBand fabric and the storage per

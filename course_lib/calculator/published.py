@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from decimal import Decimal
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from ..core.costmodel import PRESETS, Link
@@ -33,7 +33,7 @@ LLAMA_NOTE = ("interleaved with V = 2 (§3.3.2 uses V stages per rank without pr
               "no recomputation at 8K (§3.3.2), gradients accumulated and reduce-scattered in FP32 (§3.3.2)")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(name: str) -> dict:
     return json.loads((DATA / f"{name}.json").read_text())
 
@@ -287,7 +287,7 @@ FIT_SPEC = (("compute", "Narayanan SC'21 Table 1", "1008.0B"), ("half_width", "N
             ("network", "Narayanan SC'21 Table 2", "ZeRO-3 1536"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def fitted_efficiency(rounds: int = 16) -> Efficiency:
     """The three constants solved together on FIT_SPEC's three rows (each in turn, `rounds` times: they interact
     only weakly, and 16 rounds reproduce each fitted row to < 1e-9)."""

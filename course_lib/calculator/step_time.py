@@ -81,7 +81,7 @@ class Efficiency:
     def matmul(self, width: float) -> float:
         return self.compute * width / (width + self.half_width)
 
-    def replace(self, **changes) -> "Efficiency":
+    def replace(self, **changes) -> Efficiency:
         return replace(self, **changes)
 
 
@@ -386,7 +386,7 @@ def step_time(m: Decoder, job: Job, cluster: Cluster, eff: Efficiency = IDEAL) -
     # optimizer offload: the weights go down and the gradients up the host link each step (ZeRO-Offload, §6)
     off_t = 0.0
     if job.offload:
-        from ..memopt.memory_fit import Machine, zero_offload_step_time       # torch only where offload is asked for
+        from ..memopt.memory_fit import Machine, zero_offload_step_time  # torch only where offload is asked for
         mach = Machine()
         shard = max(sum(rank_params(m, job, r)) for r in range(job.pp)) // (N if job.zero >= 1 else 1)
         cpu = shard / (mach.adam_per_core * mach.host_cores)

@@ -94,15 +94,15 @@ def rank_layout(cfg, plan, tc, rank: int, dtype=torch.float32) -> dict:
     """What rank `rank` of `parallelize(GPT(cfg), Mesh(…), plan, train_config=tc)` holds, built by the techniques on
     layout communicators: its model (TP shards, its pipeline stage), the pipeline layout, the recomputation plan of
     its blocks and the reducer over dp × cp."""
-    from ..memopt.recompute import make_plan
+    from ..composer.parallelize import _fsdp_options
     from ..core.model import GPT
+    from ..memopt.recompute import make_plan
     from ..parallel.dp import apply_dp
     from ..parallel.fsdp import apply_fsdp
     from ..parallel.pipeline.executor import plan_pipeline
     from ..parallel.pipeline.stage import PipelineStage
     from ..parallel.tensor import apply_tp
     from ..parallel.zero import ShardedOptimizer
-    from ..composer.parallelize import _fsdp_options
     why = _unsupported(plan)
     if why:
         raise ValueError(f"calculator.toy counts fp32 plans without ep or offload; this plan has {why}")

@@ -12,9 +12,9 @@ The same worker runs unchanged under torchrun (each process computes the referen
     torchrun --standalone --nproc-per-node 8 -m course_lib.run course_lib.capstone:torchrun_worker 2
 
 Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12;
-under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's
-all-to-all bytes from the routed rows (`ep_expected_bytes`, §12); model states are ZeRO's Ψ·(e_p + e_g + K)
-divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
+under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's all-to-all bytes
+from the routing counts of each step (`Parallelized.expected_bytes_per_step`, §12.3–12.4); model states are ZeRO's
+Ψ·(e_p + e_g + K) divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.model_state_bytes`)
 plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
 grids are in `course_lib.capstone.survey`, the pictures in `course_lib.capstone.plots`.
 """
@@ -31,6 +31,7 @@ from ..memopt.recompute.measured import activation_peak
 from ..core.model import GPT, GPTConfig, get_config
 from ..composer.plan import ParallelPlan
 from ..composer.parallelize import parallelize
+from ..parallel.expert import aux_loss_per_step
 from ..train import LedgerProbe, MemoryProbe, TrainConfig
 
 GROUPS = ("pp", "dp", "cp", "tp", "ep", "edp", "dp×cp")
@@ -82,7 +83,9 @@ def reference_run(job: Job) -> tuple:
     with _default_dtype(DTYPES[job.dtype]):
         model = GPT(job.cfg, seed=job.tc.seed).to(DTYPES[job.dtype])
         if job.cfg.n_expert:
-            set_moe_groups(model, job.plan.dp * job.plan.microbatches)      # one capacity group per micro-batch
+            set_moe_groups(model, job.plan.dp * job.plan.microbatches,      # one capacity group per micro-batch
+                           cp=job.plan.cp, layout=job.plan.cp_layout,        # (and per cp rank's tokens of it,
+                           tp=job.plan.tp if job.plan.sequence_parallel else 1)    # SP's slice of those)
         with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
             ref = train_reference(job.cfg, job.tc, progress=False, model=model)
     return ref.losses, {k: v.detach().clone() for k, v in ref.model.named_parameters()}, \
@@ -99,42 +102,25 @@ def _single_worker(ctx, job: Job):
 
 
 # ------------------------------------------------------------------------------------------------- formulas
-def ep_expected_bytes(model, mesh: Mesh, micro_batches: int, elem: int) -> list:
-    """Bytes per step this rank sends on ep, dp and edp under expert parallelism (`apply_ep` +
-    `ExpertDataParallel`), one dict per step. ep: for every MoE layer forward the dispatch, the combine and the
-    counts of `expert_bytes_per_forward` (§12) — from the rows each rank of this ep group routed, gathered here
-    outside the ledger — and in backward the dispatch and combine rows once more. dp and edp: one ring all-reduce per
-    parameter, replicated ones over dp, expert ones over edp (`reduce_expert_parallel_grads`)."""
-    import torch.distributed as dist
-    from ..distributed.collective_bytes import ring_all_reduce_bytes
-    from ..parallel.expert import ExpertParallelMoE, expert_bytes_per_forward, is_expert_param
-    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
-    mine = [rows for m in layers for rows in m.sent_rows]                   # (layer, forward) -> rows per ep rank
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mesh.coords, mesh.world.rank, mine))
-    ep, me = mesh.size("ep"), mesh.coords
-    group = sorted((c["dp"] % ep, rows) for c, _, rows in everyone
-                   if all(c[a] == me[a] for a in ("pp", "cp", "tp")) and c["dp"] // ep == me["dp"] // ep)
-    sent = [rows for _, rows in group]
-    r, per_layer = me["dp"] % ep, len(mine) // max(len(layers), 1)
-    steps = per_layer // micro_batches
+def one_process_losses(ranks: list, plan: ParallelPlan) -> list:
+    """The loss one process reports at each step, from every rank's `run_job` result: the mean over the (dp, cp)
+    positions of the last stage's loss — plus, with experts inside a pipeline, every stage's share of the
+    load-balancing loss at that position (`aux`: it reached the gradients through backward, not the last stage's
+    loss). The tp ranks of a position report the same loss; one of them counts."""
+    last = [r for r in ranks if r["coords"]["pp"] == plan.pp - 1 and r["coords"]["tp"] == 0]
+    split = plan.tp if plan.sequence_parallel else 1        # SP: each tp rank routes, and reports, its own slice
     out = []
-    for s in range(steps):
-        total = 0
-        for li in range(len(layers)):
-            for f in range(s * micro_batches, (s + 1) * micro_batches):
-                i = li * per_layer + f
-                parts = expert_bytes_per_forward(sent[r][i], [sent[j][i][r] for j in range(ep)], r,
-                                                 model.config.d_model, elem, layers[0].local)
-                total += 2 * (parts["dispatch"] + parts["combine"]) + parts["counts"]
-        out.append({"ep": total})
-    dp, edp = mesh["dp"], mesh["edp"]
-    for name, p in model.named_parameters():
-        comm = edp if is_expert_param(name) else dp
-        if comm.world_size > 1:
-            n = ring_all_reduce_bytes(p.numel(), comm.world_size, comm.rank, elem)
-            for step in out:
-                step[comm.name] = step.get(comm.name, 0) + n
+    for s in range(len(last[0]["losses"])):
+        per = []
+        for r in last:
+            if not r.get("aux"):                                  # no expert-parallel layer logged one
+                per.append(r["losses"][s])
+                continue
+            here = [q for q in ranks if all(q["coords"][a] == r["coords"][a] for a in ("dp", "cp"))]
+            every = sum(q["aux"][s] for q in here) / plan.tp      # Σ over stages of the mean over the tp ranks
+            own = r["aux"][s] / split if plan.pp == 1 else 0.0     # what this rank's reported loss holds of it
+            per.append(r["losses"][s] - own + every)
+        out.append(sum(per) / len(per))
     return out
 
 
@@ -148,14 +134,16 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
     device."""
     from ..memopt.precision.recipes import get_recipe
     from ..parallel.zero import model_state_bytes
+    if layout.get("parts"):     # experts under ZeRO: the formula once per part, each over its own group (dp, edp)
+        each = [state_formula(plan, {**part, "stepped": layout.get("stepped", True)}, model_elem, step_elem)
+                for part in layout["parts"]]
+        return {c: sum(e[c] for e in each) for c in each[0]}
     if plan.precision is None:
         e_c, master, e_s = model_elem, 0, model_elem
     else:
         r = get_recipe(plan.precision)
         e_c, master, e_s = r.compute_bytes, 4 if r.master_weights else 0, r.state_bytes
-    n = plan.dp * plan.cp
-    if plan.ep > 1:
-        n = 1                                  # expert parallelism: DDP-style reduction, nothing sharded
+    n = layout.get("n", plan.dp * plan.cp)     # the group ZeRO shards over (a part's own, under experts)
     if plan.zero == 3 and master:              # FSDP under bf16: the fp32 shards are the masters and the parameters
         e_c, master = 4, 0
     out = model_state_bytes(layout["P"], n, plan.zero, param=e_c, grad=e_c, optim=0)
@@ -172,6 +160,7 @@ def state_formula(plan: ParallelPlan, layout: dict, model_elem: int, step_elem: 
 def _layout(p) -> dict:
     """P (what ZeRO shards, padded to the dp group), P_opt (what the optimizer steps), K (its tensors), psi (the
     trainable elements this rank holds, as the model holds them)."""
+    from ..parallel.expert import ExpertShardedOptimizer
     from ..parallel.zero import ShardedOptimizer
     opt, held = p.optimizer, [t for _, t in p.named_parameters() if t.requires_grad]
     psi = sum(t.numel() for t in held)
@@ -181,6 +170,10 @@ def _layout(p) -> dict:
     out = {"stepped": skipped == 0 or skipped < len(history), "skipped": skipped}
     if isinstance(opt, ShardedOptimizer):
         return {**out, "P": opt.padded_numel, "P_opt": opt.padded_numel, "K": opt.num_shards, "psi": psi}
+    if isinstance(opt, ExpertShardedOptimizer):        # two ZeRO groups: the replicated parameters', the experts'
+        parts = [{"P": o.padded_numel, "P_opt": o.padded_numel, "K": o.num_shards, "n": o.comm.world_size}
+                 for o in opt.parts.values()]
+        return {**out, "parts": parts, "psi": psi, **{k: sum(q[k] for q in parts) for k in ("P", "P_opt", "K")}}
     if p.plan.zero == 3:
         fsdp = p.model
         return {**out, "P": fsdp.padded_numel, "P_opt": fsdp.local_numel, "K": len(list(fsdp.parameters())),
@@ -212,11 +205,11 @@ def run_job(ctx, job: Job, reference: dict | None = None) -> dict:
                 host = getattr(probes[-1], "memory", None)
             with FlopCounterMode(display=False) if job.flops else contextlib.nullcontext() as flops:
                 run = p.train(job.tc.steps, keep_params=True, probes=probes)
-            want = {g: n for g, n in p.expected_bytes.items() if n}
-            wants = [want] * job.tc.steps
-            if plan.ep > 1:                     # parallelize has no formula for the expert all-to-alls: here
-                wants = ep_expected_bytes(model, mesh, plan.microbatches, e)
+            # the formulas per step (with experts: the all-to-all's bytes from the counts each step's routers made)
+            wants = [{g: n for g, n in s.items() if n} for s in p.expected_bytes_per_step(job.tc.steps)]
             out = {"losses": run.losses, "coords": mesh.coords,
+                   # a pipeline's last stage reports its cross-entropy; each rank's share of the load-balancing loss
+                   "aux": aux_loss_per_step(p.model, job.cfg, plan.microbatches) if plan.ep > 1 else None,
                    "bytes": [{g: n for g, n in s.items() if n} for s in run["ledger"]["group_bytes"]],
                    "want": wants, "layout": _layout(p),
                    "state": {c: run["memory"]["after_step"][-1][c] for c in STATES},
@@ -293,13 +286,24 @@ def capstone_jobs(steps: int = 2, world_size: int = 8, seed: int = 0) -> list:
 
 
 def shape_jobs(steps: int = 2, seed: int = 0) -> list:
-    """Context and expert parallelism on 4 ranks (`ParallelPlan.check` refuses cp with tp — and with pp under
-    recomputation or mixed precision — and an MoE model with tp or pp, so these are pp × cp with ZeRO-1 over dp × cp
-    and ep × dp): float64, equal to one process."""
+    """Context and expert parallelism on 4 ranks, float64, equal to one process: pp × cp with ZeRO-1 over dp × cp,
+    cp × tp with sequence parallelism, and DeepSeek-V3's pp × ep × ZeRO-1 on the toy (each stage's MoE layers
+    exchange tokens in that stage's ep group; the experts' optimizer state sharded over edp, the rest over dp) — with
+    the per-rank ledger kept for a timeline."""
     cfg = get_config("nano", **CONFIG)
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
     return [Job("PP × CP", ParallelPlan(pp=2, cp=2, zero=1, microbatches=2), cfg, tc),
-            Job("EP × DP", ParallelPlan(dp=4, ep=2), MOE, tc)]
+            Job("CP × TP", ParallelPlan(cp=2, tp=2, zero=1, sequence_parallel=True), cfg, tc),
+            Job("PP × EP × ZeRO-1", ParallelPlan(pp=2, dp=2, ep=2, zero=1, microbatches=2), MOE, tc, timeline=True)]
+
+
+def llama3_job(steps: int = 2, seed: int = 0) -> Job:
+    """Llama 3's long-context layout on the toy (Dubey et al. 2024, Table 4: TP 8 × CP 16 × PP 16 × DP), every axis
+    at 2: pp × dp × cp × tp = 16 ranks, ZeRO-1 over dp × cp, sequence parallelism, 1F1B; float64, with the ledger."""
+    cfg = get_config("nano", **CONFIG)
+    tc = TrainConfig(steps=steps, batch_size=8, lr=1e-3, seed=seed, data_seed=seed)
+    return Job("4D (Llama 3)", ParallelPlan(pp=2, dp=2, cp=2, tp=2, zero=1, sequence_parallel=True, microbatches=2),
+               cfg, tc, timeline=True)
 
 
 def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2097152), rings: int = 100) -> dict:
@@ -353,6 +357,6 @@ def torchrun_worker(ctx, steps: str = "2") -> dict:
             "loss_err": abs(loss - losses[-1]) if loss == loss else None}
 
 
-__all__ = ["Job", "run_job", "capstone_worker", "reference_run", "state_formula",
-           "ep_expected_bytes", "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "torchrun_worker",
+__all__ = ["Job", "run_job", "capstone_worker", "reference_run", "one_process_losses", "state_formula",
+           "MOE", "CONFIG", "composed_shape", "capstone_jobs", "shape_jobs", "llama3_job", "torchrun_worker",
            "time_worker", "GROUPS", "STATES"]

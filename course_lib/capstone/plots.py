@@ -7,7 +7,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 AXIS_COLORS = {"compute": "#4C72B0", "pp": "#DD8452", "dp": "#55A868", "tp": "#C44E52", "cp": "#8172B3",
-               "ep": "#937860", "edp": "#DA8BC3", "dp×cp": "#55A868", "world": "#8C8C8C"}
+               "ep": "#937860", "edp": "#DA8BC3", "dp×cp": "#55A868", "edp×cp": "#DA8BC3",
+               "world": "#8C8C8C"}
 
 
 def plot_axis_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", coords=None):
@@ -34,7 +35,8 @@ def plot_axis_timeline(ledgers, *, ax=None, title: str = "Per-rank timeline", co
     ax.set_yticks([len(ledgers) - 1 - i + 0.4 for i in range(len(ledgers))])
     names = [f"rank {L.rank}" for L in ledgers]
     if coords is not None:
-        names = [f"{n} (pp{c['pp']} dp{c['dp']} tp{c['tp']})" for n, c in zip(names, coords)]
+        names = [f"{n} (pp{c['pp']} dp{c['dp']}" + (f" cp{c['cp']}" if any(k.get("cp") for k in coords) else "")
+                 + f" tp{c['tp']})" for n, c in zip(names, coords)]
     ax.set_yticklabels(names, fontsize=8)
     ax.set_xlabel("time (ms)")
     ax.set_title(title)

@@ -10,8 +10,8 @@ import numbers
 
 import torch
 
-from ..memory import MemoryTracker
 from ..core.model import GPT, activation_bytes, count_parameters, get_config
+from ..memory import MemoryTracker
 from . import check, exercises
 
 # The functions the lab's exercise cells define (tested against the lab), so a check run too early names its cell.
@@ -83,7 +83,8 @@ def check_model_state_bytes(fn) -> None:
 def check_activation_crossover(fn) -> None:
     """fn(cfg, seq_len, state_bytes) -> smallest batch whose activations reach state_bytes."""
     with check("activation_crossover") as c:
-        cases = [(get_config("mini"), 32), (get_config("mini"), 128), (get_config("micro"), 64), (get_config("nano"), 16)]
+        cases = [(get_config("mini"), 32), (get_config("mini"), 128), (get_config("micro"), 64),
+                 (get_config("nano"), 16)]
         for cfg, T in cases:
             states = 16 * count_parameters(GPT(cfg))
             got = fn(cfg, T, states)

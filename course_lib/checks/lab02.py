@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 from ..core import costmodel
 from ..distributed import collectives
-from ..distributed.collectives import chunk_sizes, ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
+from ..distributed.collectives import (
+    chunk_sizes,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_reduce_scatter_bytes,
+)
 from ..distributed.mesh import Mesh
 from . import NOT_IMPLEMENTED, check, run_ranks
 

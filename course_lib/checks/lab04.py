@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import optim
+from ..core.data import ShardedBatches
+from ..core.model import GPT, get_config
 from ..distributed.collectives import chunk_sizes, ring_all_gather_bytes, ring_reduce_scatter_bytes
 from ..distributed.launch import LaunchError, launch
-from ..memory import untracked
-from ..core.model import GPT, get_config
 from ..distributed.mesh import data_parallel_batches
-from .. import optim
+from ..memory import untracked
 from ..train import MemoryProbe, Probe, TrainConfig, optimizer_kwargs, run
-from ..core.data import ShardedBatches
 from . import check
 
 CFG = get_config("nano")

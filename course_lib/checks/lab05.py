@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-import torch
-
 from ..core.data import ShardedBatches
 from ..core.model import GPT, get_config
 from ..parallel.pipeline import Op, ScheduleError, bubble_formula, bubble_fraction, in_flight, make_schedule, simulate
@@ -128,7 +126,8 @@ def _trains(ctx, one_f_one_b, M):
 def check_trains(one_f_one_b, world_size: int) -> None:
     with check("trains") as c:
         if not 2 <= world_size <= CFG.n_layer:
-            raise ValueError(f"world_size must be 2 to {CFG.n_layer} (one stage per rank, one block per stage at least)")
+            raise ValueError(f"world_size must be 2 to {CFG.n_layer} (one stage per rank, one block per stage "
+                             "at least)")
         M = 2 * world_size + 1
         make_schedule(one_f_one_b, world_size, M)             # a schedule that cannot run fails here, not as a hang
         ranks = run_ranks(c, _trains, world_size, one_f_one_b, M, timeout=120,

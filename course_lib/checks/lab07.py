@@ -17,9 +17,9 @@ import threading
 import torch
 
 from ..core.data import ShardedBatches
-from ..memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
-from ..memopt.offload import ActivationOffload, _Packed, offloaded_activation_peak
 from ..core.model import GPT, activation_bytes, block_activation_bytes, get_config
+from ..memopt.offload import ActivationOffload, _Packed, offloaded_activation_peak
+from ..memory import MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
 from . import check
 
 CFG = get_config("nano", n_layer=4)

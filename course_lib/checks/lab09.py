@@ -19,11 +19,11 @@ import random
 
 import torch
 
+from .. import optim
 from ..core.data import ShardedBatches
+from ..core.model import GPT, get_config
 from ..memopt import precision as P
 from ..memopt import quantize as Q
-from ..core.model import GPT, get_config
-from .. import optim
 from ..train import TrainConfig, optimizer_kwargs, run
 from . import check
 
@@ -82,8 +82,10 @@ def check_scaler_trajectory(LossScaler) -> None:
                 got.append(float(scaler.scale))
                 trackers.append(getattr(scaler, "growth_tracker", None))
             bad = next((s for s, (a, b) in enumerate(zip(got, want)) if a != b), None)
-            c.expect(bad is None, f"with {kw}, after step {bad} ({'overflow' if bad is not None and flags[bad] else 'clean'})"
-                     f" your scale is {got[bad] if bad is not None else ''}, GradScaler's {want[bad] if bad is not None else ''}",
+            c.expect(bad is None,
+                     f"with {kw}, after step {bad} ({'overflow' if bad is not None and flags[bad] else 'clean'})"
+                     f" your scale is {got[bad] if bad is not None else ''},"
+                     f" GradScaler's {want[bad] if bad is not None else ''}",
                      hint=_scaler_slip(kw, flags, bad, got, want, trackers) if bad is not None else "")
             backoffs += sum(flags)
             growths += sum(1 for a, b in zip([kw["init_scale"]] + want, want) if b > a)
@@ -113,7 +115,8 @@ def check_scaler_training(LossScaler) -> None:
         c.expect(got_losses == want_losses, "the losses differ from the run with the course's scaler",
                  hint="the scale must change only in update()")
         c.expect(float(mine.scale) == theirs.scale, f"final scale {mine.scale}, expected {theirs.scale}")
-        c.passed(f"fp16 GPT, 20 steps: {want_skipped} overflow(s) skipped, final scale 2^{math.log2(theirs.scale):.0f}, "
+        c.passed(f"fp16 GPT, 20 steps: {want_skipped} overflow(s) skipped, "
+                 f"final scale 2^{math.log2(theirs.scale):.0f}, "
                  f"losses identical to the course's scaler ({want_losses[0]:.3f} → {want_losses[-1]:.3f})")
 
 
@@ -149,7 +152,8 @@ def check_int8_quantizer(quantize, dequantize) -> None:
             ref = Q.quantize_blockwise(x, B, "int8")
             nb = math.ceil(x.numel() / B)
             c.expect(codes.dtype == torch.int8 and codes.numel() == x.numel(),
-                     f"n={x.numel()}, B={B}: codes should be {x.numel()} int8 values, got {codes.numel()} of {codes.dtype}",
+                     f"n={x.numel()}, B={B}: codes should be {x.numel()} int8 values, "
+                     f"got {codes.numel()} of {codes.dtype}",
                      hint="one int8 code per element, the short last block included, nothing for padding")
             c.expect(scales.dtype == torch.float32 and scales.numel() == nb,
                      f"n={x.numel()}, B={B}: expected {nb} float32 scales (one per block), got {scales.numel()} of "

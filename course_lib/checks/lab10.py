@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def _recorded(fail_fsync_at: int | None = None):
     real = {"fsync": os.fsync, "replace": os.replace, "rename": os.rename}
 
     def fsync(fd):
-        kind = "dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file"
-        calls.append(("fsync", kind, os.readlink(f"/proc/self/fd/{fd}")))
+        # what was synced, from the descriptor itself (fstat works everywhere; /proc/self/fd is Linux's alone):
+        # file or directory, and which one as (device, inode), compared with os.stat of the expected path
+        st = os.fstat(fd)
+        calls.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", (st.st_dev, st.st_ino)))
         if fail_fsync_at is not None and sum(c[0] == "fsync" for c in calls) == fail_fsync_at:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real["fsync"](fd)
@@ -144,7 +147,8 @@ def check_save(save_checkpoint) -> None:
                  "the checkpoint directory was not published by one rename after its manifest was written",
                  hint="write both files with atomic_write into a staging directory, the manifest last, then "
                       "os.replace(staging, root / 'step_…')")
-        c.expect(any(call[0] == "fsync" and call[1] == "dir" and call[2] == os.path.realpath(root) for call in
+        root_id = (os.stat(root).st_dev, os.stat(root).st_ino)
+        c.expect(any(call[0] == "fsync" and call[1] == "dir" and call[2] == root_id for call in
                      calls[dir_renames[0]:]), "no fsync of the root directory after publishing",
                  hint="the rename of the staging directory is durable once the root directory is fsynced")
         failed = None

@@ -68,7 +68,8 @@ def _points_of(ring, count: int):
 def check_ring_moves(ring_cls, vnodes: int = 64) -> None:
     with check("ring_moves") as c:
         for n in (3, 4, 5):
-            ring, smaller, larger = ring_cls(range(n), vnodes), ring_cls(range(n - 1), vnodes), ring_cls(range(n + 1), vnodes)
+            ring, smaller, larger = (ring_cls(range(n), vnodes), ring_cls(range(n - 1), vnodes),
+                                     ring_cls(range(n + 1), vnodes))
             owner = _owners(c, ring, KEYS, f"{n} nodes")
             c.expect(set(owner.values()) <= set(range(n)), f"owners {sorted(set(owner.values()), key=repr)[:6]} are "
                      f"not nodes of range({n})", hint="owner(key) must return one of the nodes you were given, as "

@@ -192,7 +192,8 @@ def check_blockwise(blockwise_attention) -> None:
             mine[block] = [t.clone().requires_grad_() for t in (q, k, v)]
             out = blockwise_attention(*mine[block], block)
             c.expect(isinstance(out, torch.Tensor) and out.shape == want.shape,
-                     f"block={block}: returned {getattr(out, 'shape', type(out).__name__)}, expected {tuple(want.shape)}",
+                     f"block={block}: returned {getattr(out, 'shape', type(out).__name__)}, "
+                     f"expected {tuple(want.shape)}",
                      hint="return o / ℓ after the last block: (B, nh, T, hs)")
             outs[block] = out
         want = want.detach()

@@ -138,9 +138,9 @@ def check_toy_plan(toy_plan, jobs=None) -> None:
 def _toy_worker(ctx, plan, batch, reference, seed):
     import torch
 
-    from ..distributed.mesh import Mesh
-    from ..core.model import GPT, get_config
     from ..composer.parallelize import parallelize
+    from ..core.model import GPT, get_config
+    from ..distributed.mesh import Mesh
     from ..train import TrainConfig
     torch.set_default_dtype(torch.float64)
     cfg = get_config("nano", **TOY)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.model import GPT, GPTConfig
 from ..memopt.offload import mobius as MB
 from ..memory import SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
-from ..core.model import GPT, GPTConfig
 from . import check, exercises
 
 CFG = GPTConfig(vocab_size=1024, seq_len=8, n_layer=3, n_head=2, d_model=32)   # embedding, head ≫ a block
@@ -55,9 +55,8 @@ def _residency_fault(plan, S):
     return None
 
 
-def _missing_cause(plan, S):
-    """(message, hint) naming why the first compute whose stage is not on the device finds it missing, or None
-    (every compute finds its stage, or no plausible slip explains it)."""
+def _first_missing(plan):
+    """The index of the first compute whose stage is not on the device, or None."""
     loaded = set()
     for k, (kind, s) in enumerate(plan):
         if kind == "load":
@@ -65,9 +64,17 @@ def _missing_cause(plan, S):
         elif kind == "drop":
             loaded.discard(s)
         elif s not in loaded:
-            break
-    else:
+            return k
+    return None
+
+
+def _missing_cause(plan, S):
+    """(message, hint) naming why the first compute whose stage is not on the device finds it missing, or None
+    (every compute finds its stage, or no plausible slip explains it)."""
+    k = _first_missing(plan)
+    if k is None:
         return None
+    kind, s = plan[k]
     ops = f"{kind} {s}"
     last_load = max((i for i, op in enumerate(plan[:k]) if op == ("load", s)), default=None)
     if last_load is not None:
@@ -165,7 +172,8 @@ def check_plan(plan_fn) -> None:
                                                                         "backward")
         c.expect((h2d, d2h) == (want["h2d"], want["d2h"]), f"h2d {h2d:,} B, d2h {d2h:,} B; the formula says "
                  f"{want['h2d']:,} and {want['d2h']:,}")
-        bad = [n for (n, p), g in zip(model.named_parameters(), _reference_grads(batches)) if not torch.equal(p.grad, g)]
+        bad = [n for (n, p), g in zip(model.named_parameters(), _reference_grads(batches))
+               if not torch.equal(p.grad, g)]
         c.expect(not bad, f"gradients differ from the reference in {bad[:3]}")
         fwd = [b / 1e9 for b in P]                        # stated costs: 1 s per GB of a stage's parameters
         link = MB.Link("stated link", 0.0, 0.5e9)         # a load takes twice its stage's forward

@@ -4,6 +4,7 @@
     with parallelize(GPT(cfg, seed=0), Mesh(ctx.comm, pp=2, dp=2, tp=2), plan, train_config=tc) as job:
         run = job.train(steps=2, probes=[LedgerProbe(ctx.comm)])
         job.expected_bytes          # {'pp': …, 'dp': …, 'tp': …} per step, from each technique's formula
+        job.expected_bytes_per_step(2)   # the same per step, + with experts the ep all-to-alls' from the routing
 
     run, ddp = train_parallel(ctx.comm, cfg, tc, wrap)   # the one-axis form: a hand-written DP wrapper over dp
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,8 @@ from ..memopt.offload import apply_offload
 from ..memopt.precision import apply_precision
 from ..memopt.recompute import apply_recompute
 from ..parallel.context import apply_cp
-from ..parallel.expert import apply_ep
+from ..core.moe import attach_aux_losses
+from ..parallel.expert import apply_ep, apply_expert_zero, ep_bytes_per_step
 from ..parallel.fsdp import REPLICATION_RULES
 from ..parallel.pipeline import apply_pipeline
 from ..parallel.tensor import apply_tp
@@ -81,6 +82,7 @@ def parallelize(model, mesh: Mesh, plan: ParallelPlan, *, train_config: TrainCon
 
 def apply_plan(model, mesh: Mesh, plan: ParallelPlan):
     """Every technique of `plan`, in ORDER, on this rank's model: the model to train (its optimizer: `optim.build`)."""
+    cfg = model.config
     if plan.cp > 1:
         model = apply_cp(model, mesh, layout=plan.cp_layout)
     if plan.tp > 1:
@@ -88,6 +90,9 @@ def apply_plan(model, mesh: Mesh, plan: ParallelPlan):
     if plan.pp > 1:
         model = apply_pipeline(model, mesh, num_microbatches=plan.microbatches, schedule=plan.schedule,
                                chunks=plan.chunks, layers=plan.layers)
+    if plan.pp > 1 and cfg.n_expert:   # the stages' load-balancing losses enter through backward (Megatron), each
+        attach_aux_losses(model, cfg.aux_loss_coef / (cfg.n_layer * plan.microbatches            # coef × the mean
+                                                      * (plan.tp if plan.sequence_parallel else 1)))  # over layers
     if plan.ep > 1:
         model = apply_ep(model, mesh)
     if plan.recompute is not None:
@@ -97,6 +102,8 @@ def apply_plan(model, mesh: Mesh, plan: ParallelPlan):
                               dtype=None, zero_stage=None)
     if plan.precision is not None:
         model = apply_precision(model, mesh, recipe=plan.precision, cast=plan.zero != 3)  # FSDP casts its gathers
+    if cfg.n_expert:                   # replicated parameters over dp, experts over edp, each its own ZeRO
+        return apply_expert_zero(model, mesh, plan.zero)
     return apply_zero(model, mesh, plan.zero, kind=plan.dp_kind, fsdp_options=_fsdp_options(plan, model))
 
 
@@ -130,6 +137,21 @@ class Parallelized:
     def handles(self) -> dict:
         """{technique: handle} of every technique the plan applied (`core.handles`), the optimizer last."""
         return {**handles(self.model), "optimizer": self.optimizer}
+
+    def expected_bytes_per_step(self, steps: int) -> list:
+        """`expected_bytes` for each of the `steps` steps trained so far — with experts over ep > 1, plus the ep
+        axis's all-to-all bytes from the routing counts each step's routers produced (`expert.ep_bytes_per_step`),
+        which no formula knows before the router has run."""
+        out = [dict(self.expected_bytes) for _ in range(steps)]
+        if self.plan.ep > 1:
+            elem = next(p for _, p in self.named_parameters()).element_size()
+            ep = ep_bytes_per_step(handle_of(self.model, "expert_parallel"), self.mesh["ep"].rank, elem,
+                                   self.plan.microbatches)
+            if len(ep) != steps:
+                raise ValueError(f"the MoE layers logged {len(ep)} steps of routing, not {steps}")
+            for step, n in zip(out, ep):
+                step[self.mesh["ep"].name] = n
+        return out
 
     @property
     def pipeline(self):

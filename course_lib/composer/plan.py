@@ -10,8 +10,14 @@ The fields, and the notebook that builds each technique:
     dp, tp, pp          mesh axis sizes (pp × dp × cp × tp, tp innermost: `course_lib.distributed.mesh`)     03, 06, 05
     cp, cp_layout       context parallelism: each cp rank holds T/cp of every sequence ('zigzag' or
                         'contiguous'); gradients reduced over dp × cp; composes with pp (each stage's
-                        ring over the cp peers holding it), not yet with tp                            12
-    ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks      12
+                        ring over the cp peers holding it) and tp (the ring on the heads this tp rank
+                        holds; SP splits the cp rank's T/cp tokens further)                            12
+    ep                  expert parallelism: the experts of every MoE layer over ep of the dp ranks;
+                        with tp each tp rank holds its ep share of the experts whole (expert-tensor-
+                        parallel size 1: the tp ranks route the same tokens to the same experts; with SP
+                        each routes its T/tp slice, their gradients summed over tp); with
+                        cp each rank routes its own tokens; in a pipeline each stage's ep group; ZeRO-1/2
+                        shard the experts' optimizer state over edp (the ranks holding the same ones)   12
     zero                0 = DDP, 1/2 = ZeRO-1/2 (optimizer state / + gradients sharded), 3 = FSDP         03, 04
     dp_kind             with zero=0: which DDP reduces the gradients ('naive' | 'bucket' | 'overlap')   03
     fsdp_replicate      with zero=3: parameters left whole on every dp rank ('norms+biases', or a
@@ -199,10 +205,10 @@ class ParallelPlan:
 
     def _check_combination(self, cfg) -> None:
         """Combinations the course does not build, each with why (the techniques themselves run)."""
-        if self.cp > 1 and self.tp > 1:
-            raise PlanError(f"context parallelism composes with dp, ZeRO and pp here; with tp={self.tp} the TP "
-                            f"layers would need CP's token positions (and SP a second split of the sequence), which "
-                            f"the course does not build yet; use tp=1 with cp > 1")
+        if self.cp > 1 and self.sequence_parallel and (cfg.seq_len // self.cp) % self.tp:
+            raise PlanError(f"sequence parallelism splits each cp rank's T/cp = {cfg.seq_len // self.cp} tokens over "
+                            f"tp={self.tp}; use a seq_len that is a multiple of cp·tp (and of 2·cp for the zig-zag "
+                            f"split), or sequence_parallel=False")
         if self.cp > 1 and self.pp > 1 and (self.recompute is not None or self.offload_activations
                                             or self.precision is not None):
             raise PlanError("context × pipeline parallelism composes with dp, ZeRO-1/2 and every schedule here; "
@@ -211,12 +217,19 @@ class ParallelPlan:
         if self.cp > 1 and cfg.dropout > 0:
             raise PlanError("context parallelism needs dropout=0 (ring attention recombines blocks of the attention "
                             "map, whose dropout masks would have to match one process's); use dropout=0")
-        if cfg.n_expert and (self.tp > 1 or self.pp > 1 or self.cp > 1):
-            raise PlanError("a mixture-of-experts model composes with dp and ep here; splitting its experts by tp, "
-                            "its layers by pp or its tokens by cp is not built; use tp = pp = cp = 1 with n_expert > 0")
-        if self.ep > 1 and self.zero:
-            raise PlanError(f"zero={self.zero} shards over dp, but expert parameters are reduced over the smaller "
-                            f"edp group (dp/ep ranks); ZeRO over two groups is not built; use zero=0 with ep > 1")
+        if cfg.n_expert and self.sequence_parallel and self.recompute is not None:
+            raise PlanError(f"recompute={self.recompute!r} with sequence parallelism and experts: the replay's "
+                            f"collectives in MoE blocks are not in the formulas; use recompute=None, or "
+                            f"sequence_parallel=False, with n_expert > 0")
+        if self.ep > 1 and self.recompute is not None:
+            raise PlanError(f"recompute={self.recompute!r} with ep={self.ep}: the replay would route the tokens again "
+                            f"and repeat each MoE layer's all-to-all in backward, which is not built; use "
+                            f"recompute=None with ep > 1")
+        if cfg.n_expert and (self.zero == 3 or self.offload_optimizer is not None):
+            raise PlanError(f"zero={self.zero}, offload_optimizer={self.offload_optimizer!r} with a mixture of "
+                            f"experts: ZeRO-1/2 shard the replicated parameters' state over dp and the experts' over "
+                            f"edp; FSDP and optimizer offload over those two groups are not built; use zero ≤ 2 and "
+                            f"offload_optimizer=None with n_expert > 0")
         if self.zero == 3 and self.pp > 1:
             raise PlanError("zero=3 (FSDP) inside a pipeline would all-gather each stage's parameters for every one "
                             "of the M micro-batch forwards and backwards; use zero=1 or 2 with pp > 1 (as "

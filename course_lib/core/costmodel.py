@@ -44,7 +44,7 @@ class Link:
     def beta(self) -> float:
         return 1.0 / self.bandwidth
 
-    def time(self, nbytes: "float | np.ndarray") -> "float | np.ndarray":
+    def time(self, nbytes: float | np.ndarray) -> float | np.ndarray:
         """α + S·β, in seconds."""
         return self.alpha + np.asarray(nbytes, dtype=float) * self.beta if isinstance(nbytes, np.ndarray) \
             else self.alpha + float(nbytes) * self.beta
@@ -78,7 +78,7 @@ PRESETS: dict[str, Link] = {
 }
 
 
-def get_link(name_or_link: "str | Link") -> Link:
+def get_link(name_or_link: str | Link) -> Link:
     if isinstance(name_or_link, Link):
         return name_or_link
     try:
@@ -129,14 +129,14 @@ def pipelined_time(stages, nbytes: float, chunks: int) -> float:
 
 
 # ---------------------------------------------------------------------------- collectives under the model
-def ring_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
+def ring_all_reduce_time(link: Link | str, nbytes: float, p: int) -> float:
     link = get_link(link)
     if p == 1:
         return 0.0
     return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
 
 
-def rhd_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
+def rhd_all_reduce_time(link: Link | str, nbytes: float, p: int) -> float:
     """Recursive halving–doubling over p' = 2^⌊log₂p⌋ ranks; when p is not a power of two the p − p' extra ranks
     fold in first and get the result back last — two more full messages (as in collectives.all_reduce_rhd, MPICH)."""
     link = get_link(link)
@@ -147,19 +147,19 @@ def rhd_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
     return core + (2 * (link.alpha + nbytes * link.beta) if pp != p else 0.0)
 
 
-def tree_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
+def tree_all_reduce_time(link: Link | str, nbytes: float, p: int) -> float:
     """Binomial reduce + broadcast without pipelining: 2⌈log₂p⌉(α + S·β)."""
     link = get_link(link)
     return 2 * math.ceil(math.log2(p)) * (link.alpha + nbytes * link.beta) if p > 1 else 0.0
 
 
-def naive_all_reduce_time(link: "Link | str", nbytes: float, p: int) -> float:
+def naive_all_reduce_time(link: Link | str, nbytes: float, p: int) -> float:
     """Gather to one rank and send back: its link carries 2(p−1)·S, one message after another."""
     link = get_link(link)
     return 2 * (p - 1) * (link.alpha + nbytes * link.beta)
 
 
-def ring_all_gather_time(link: "Link | str", nbytes: float, p: int) -> float:
+def ring_all_gather_time(link: Link | str, nbytes: float, p: int) -> float:
     """nbytes = the full gathered size S."""
     link = get_link(link)
     return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta if p > 1 else 0.0

@@ -8,13 +8,21 @@ loss is a mean, averaging the ranks' gradients reproduces the single-process gra
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+def _data_dir() -> Path:
+    """The repository's data/ (a clone, an editable install), else the copy a plain `pip install` of the course
+    puts under sys.prefix/share/llm-systems-course/data (pyproject.toml's data-files)."""
+    repo = Path(__file__).resolve().parents[2] / "data"
+    return repo if repo.is_dir() else Path(sys.prefix, "share", "llm-systems-course", "data")
+
+
+DATA_DIR = _data_dir()
 CORPUS_PATH = DATA_DIR / "python_docs.txt"
 CORPUS_SHA256 = "2a95af4ac93f5b719944030ce3769070ddf827d847cba42192afa8da989e5dc4"
 VAL_FRACTION = 0.1
@@ -25,8 +33,8 @@ def load_corpus() -> bytes:
     """The corpus as bytes (see data/README.md for provenance and licence)."""
     if not CORPUS_PATH.exists():
         raise FileNotFoundError(
-            f"corpus not found at {CORPUS_PATH}. course_lib reads it from the repository's data/ folder: "
-            f"install it editable from a checkout (`make lab` does) rather than as a plain wheel.")
+            f"corpus not found at {CORPUS_PATH}. course_lib reads it from the repository's data/ folder, or from "
+            f"where `pip install` of the course puts it: reinstall the course (pip install -e <course folder>).")
     return CORPUS_PATH.read_bytes()
 
 
@@ -79,7 +87,8 @@ class ShardedBatches:
             raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         self.tokens = load_tokens(self.split)
         if len(self.tokens) <= self.seq_len + 1:
-            raise ValueError(f"seq_len={self.seq_len} is too long for the {self.split} split ({len(self.tokens)} tokens)")
+            raise ValueError(f"seq_len={self.seq_len} is too long for the {self.split} split "
+                             f"({len(self.tokens)} tokens)")
 
     @property
     def global_batch_size(self) -> int:

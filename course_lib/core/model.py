@@ -55,7 +55,7 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
-    def replace(self, **changes) -> "GPTConfig":
+    def replace(self, **changes) -> GPTConfig:
         return replace(self, **changes)
 
     def as_dict(self) -> dict:
@@ -71,7 +71,7 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def get_config(name_or_config: "str | GPTConfig", **overrides) -> GPTConfig:
+def get_config(name_or_config: str | GPTConfig, **overrides) -> GPTConfig:
     """A preset by name (optionally with fields overridden), or a config passed through."""
     if isinstance(name_or_config, GPTConfig):
         return name_or_config.replace(**overrides) if overrides else name_or_config
@@ -165,7 +165,7 @@ class GPT(nn.Module):
     `embed(idx)`, `blocks[i]`, `head(x)`, `loss(logits, targets)`; `stage_bounds(n)` cuts the blocks into
     contiguous stages."""
 
-    def __init__(self, cfg: "GPTConfig | str" = "nano", *, seed: int = 0):
+    def __init__(self, cfg: GPTConfig | str = "nano", *, seed: int = 0):
         super().__init__()
         cfg = get_config(cfg)
         self.config = cfg
@@ -270,7 +270,7 @@ def stage_bounds(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------------------------- counts
-def param_count(cfg: "GPTConfig | str") -> int:
+def param_count(cfg: GPTConfig | str) -> int:
     """Exact parameter count from the config (unique parameters: a tied weight counts once)."""
     c = get_config(cfg)
     V, T, L, d, r = c.vocab_size, c.seq_len, c.n_layer, c.d_model, c.mlp_ratio
@@ -285,20 +285,20 @@ def param_count(cfg: "GPTConfig | str") -> int:
     return V * d + T * d + L * per_block + (d + b * d) + head
 
 
-def matmul_param_count(cfg: "GPTConfig | str") -> int:
+def matmul_param_count(cfg: GPTConfig | str) -> int:
     """Parameters that take part in a matmul: every Linear weight, LM head included (not embeddings, biases, norms)."""
     c = get_config(cfg)
     return c.n_layer * (4 + 2 * c.mlp_ratio) * c.d_model ** 2 + c.d_model * c.vocab_size
 
 
-def train_flops_per_token(cfg: "GPTConfig | str", seq_len: int | None = None) -> int:
+def train_flops_per_token(cfg: GPTConfig | str, seq_len: int | None = None) -> int:
     """Matmul FLOPs per token for forward + backward: 6·N_matmul + 12·L·T·d (full T×T scores, as computed here)."""
     c = get_config(cfg)
     T = seq_len or c.seq_len
     return 6 * matmul_param_count(c) + 12 * c.n_layer * T * c.d_model
 
 
-def block_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
+def block_activation_bytes(cfg: GPTConfig | str, batch_size: int, seq_len: int | None = None,
                            elem_bytes: int = 4) -> int:
     """Bytes one Block saves for backward, counted op by op for this implementation (fp32 by default):
 
@@ -319,7 +319,7 @@ def block_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int
     return elem_bytes * B * T * ((8 + 2 * r) * d + c.n_head * T) + 4 * elem_bytes * B * T + T * T + dropout
 
 
-def embed_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
+def embed_activation_bytes(cfg: GPTConfig | str, batch_size: int, seq_len: int | None = None,
                            elem_bytes: int = 4) -> int:
     """Bytes the embedding saves for backward: the int64 token ids and positions, and with dropout > 0 the
     embedding dropout's mask (width d, in the activation's dtype)."""
@@ -328,7 +328,7 @@ def embed_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int
     return 8 * B * T + 8 * T + (elem_bytes * B * T * c.d_model if c.dropout > 0 else 0)
 
 
-def head_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None,
+def head_activation_bytes(cfg: GPTConfig | str, batch_size: int, seq_len: int | None = None,
                           elem_bytes: int = 4, loss_elem_bytes: int | None = None) -> int:
     """Bytes the head and the loss save for backward: ln_f's input and output, its mean and rstd (in the input's
     dtype on CPU), the log-softmax output of width V, the int64 targets and cross-entropy's total weight (one
@@ -340,7 +340,7 @@ def head_activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int 
     return elem_bytes * B * T * (2 * c.d_model + 2) + e_loss * B * T * c.vocab_size + 8 * B * T + e_loss
 
 
-def activation_bytes(cfg: "GPTConfig | str", batch_size: int, seq_len: int | None = None, elem_bytes: int = 4,
+def activation_bytes(cfg: GPTConfig | str, batch_size: int, seq_len: int | None = None, elem_bytes: int = 4,
                      loss_elem_bytes: int | None = None) -> int:
     """Bytes the whole GPT saves for backward in one forward with separate input and target tensors: the
     embedding's (`embed_activation_bytes`), every block's (`block_activation_bytes`), the head's and the loss's

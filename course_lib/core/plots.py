@@ -162,7 +162,7 @@ def plot_losses(curves: dict, *, ax=None, title: str = "Training loss", ref_line
     return ax
 
 
-def explorer(draw, /, **controls) -> "Explorer":
+def explorer(draw, /, **controls) -> Explorer:
     """Controls that redraw ``draw(**their values)`` in place; display the result (``display(explorer(...))``).
 
     The default figure is drawn once, when the explorer is built (so ``.result`` holds what ``draw`` returned for

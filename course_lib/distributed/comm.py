@@ -69,7 +69,8 @@ class Ledger:
 
     def _select(self, op=None, tag=None, kind=None, group=None):
         for e in self.events:
-            if (op is None or e.op == op) and (tag is None or e.tag == tag or (tag.endswith("*") and e.tag.startswith(tag[:-1]))) \
+            if (op is None or e.op == op) \
+                    and (tag is None or e.tag == tag or (tag.endswith("*") and e.tag.startswith(tag[:-1]))) \
                     and (kind is None or e.kind == kind) and (group is None or e.group == group):
                 yield e
 
@@ -253,7 +254,8 @@ class Communicator:
         self._log("collective", "all_gather", tag, t0, sent=b, recv=b, nominal=True)
         return output
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, tag: str = "") -> torch.Tensor:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       tag: str = "") -> torch.Tensor:
         """output (n,) ← the reduction of chunk `rank` of every rank's input (world_size·n,)."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
@@ -278,18 +280,19 @@ class Communicator:
         self._log("barrier", "barrier", tag, t0)
 
     # ------------------------------------------------------------------ groups
-    def new_group(self, ranks, name: str) -> "Communicator | None":
+    def new_group(self, ranks, name: str) -> Communicator | None:
         """Sub-communicator over `ranks` (group ranks of this communicator). Every rank must call this, in the
         same order; ranks outside the new group get None. The sub-communicator shares this ledger."""
         ranks = sorted(int(r) for r in ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
-            raise ValueError(f"new_group: ranks {ranks} must be distinct ranks of group '{self.name}' (0..{self.world_size - 1})")
+            raise ValueError(f"new_group: ranks {ranks} must be distinct ranks of group '{self.name}' "
+                             f"(0..{self.world_size - 1})")
         group = dist.new_group([self.global_ranks[r] for r in ranks])
         if self.rank not in ranks:
             return None
         return Communicator(group, name=name, ledger=self.ledger)
 
-    def renamed(self, name: str) -> "Communicator":
+    def renamed(self, name: str) -> Communicator:
         """The same group under another name (its traffic is booked under `name` in the shared ledger)."""
         if self.world_size == 1:
             return Communicator(name=name, ledger=self.ledger, solo=True)

@@ -83,7 +83,7 @@ class FlatBuffer:
         """A zeroed buffer of this layout (allocate it under the memory category it is for)."""
         return torch.zeros(self.padded, dtype=dtype or self.dtype)
 
-    def view(self, buf: torch.Tensor, i: "int | torch.Tensor") -> torch.Tensor:
+    def view(self, buf: torch.Tensor, i: int | torch.Tensor) -> torch.Tensor:
         """Tensor i's slot in `buf`, with tensor i's shape (a view: writing it writes the buffer)."""
         i = i if isinstance(i, int) else self.index(i)
         return buf[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])

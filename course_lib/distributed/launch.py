@@ -4,15 +4,19 @@ torch.distributed and returns every rank's result, in rank order.
     results = launch(worker, 4, timeout=60)      # from a notebook cell, a script or a test
 
 Guarantees, each tested:
-  * functions defined in notebook cells work (ranks are forked, so nothing is pickled on the way in);
-  * gloo on CPU; NCCL when CUDA is present and `backend="nccl"` (then ranks are spawned: the worker must live in
-    an importable module, CUDA cannot be used in forked children);
+  * functions defined in notebook cells work under every start method: forked ranks inherit them, and ranks
+    started by a fork server or spawned get them by value (cloudpickle), with the same results and bytes. The
+    method is fork on Linux, forkserver on macOS and with NCCL, spawn on Windows, or what `start_method=` or
+    $COURSE_START_METHOD says (`course_lib.distributed.start`);
+  * gloo on CPU; NCCL when CUDA is present and `backend="nccl"` (never forked: CUDA cannot be used in a forked
+    child);
   * if any rank raises, the others are stopped and one `LaunchError` shows every rank's traceback (a rank that was
     still running shows the stack where it was stuck, dumped by faulthandler before it is killed);
   * a timeout kills everything and raises `LaunchTimeout` with every rank's stack;
   * no child process or port outlives the call, also when the caller is interrupted (Ctrl-C / kernel interrupt):
     the rendezvous store lives in the caller and is closed, ranks are killed by process group, and each rank
-    dies with its parent (PR_SET_PDEATHSIG);
+    dies with its parent (PR_SET_PDEATHSIG on Linux; elsewhere a thread that watches the parent). The fork server
+    and multiprocessing's resource tracker live as long as the caller and end with it;
   * a rank that dies without a word (killed) stops the job — unless `allow_deaths=True`, for jobs that survive
     losing a rank themselves (`resilience.redundant`): then the others go on, and the dead rank's entry in the
     result list is a `RankDied` (its exit code). Rank 0 serves the rendezvous store, so its death ends the job.
@@ -26,8 +30,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import importlib
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import start
 from .rank import RankContext, _die_with_parent, _make_context, _rank_main  # noqa: F401  (re-exported)
 
 DEFAULT_TIMEOUT = 120.0
@@ -92,16 +97,16 @@ def launch(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, backend
            start_method: str | None = None, allow_deaths: bool = False, **kwargs) -> list:
     """Run fn(ctx, *args, **kwargs) on `world_size` real ranks; return the list of results in rank order.
 
-    start_method: 'fork' (default with gloo: works for functions defined in notebook cells) or 'spawn' (default
-    with NCCL; needs `fn` in an importable module, and costs a few seconds per launch for importing torch).
+    start_method: 'fork', 'forkserver' or 'spawn'; default $COURSE_START_METHOD, else the platform's
+    (`course_lib.distributed.start.default_start_method`). A worker defined in a notebook cell works under each; under
+    forkserver and spawn it and its arguments travel by value, so what they hold must pickle (no open files, locks
+    or sockets: make those inside the worker). spawn imports torch in every rank at every launch (seconds).
     allow_deaths: a rank killed by a signal (or gone without a result) does not stop the others; its result is a
     `RankDied`. A rank that raises still fails the job; so does a timeout. Not under torchrun (its agent decides).
     """
-    backend = backend or "gloo"          # NCCL only on request: it needs spawn, which notebook functions can't use
+    backend = backend or "gloo"          # NCCL only on request: CPU machines have no CUDA
     _validate(world_size, timeout, backend)
-    method = start_method or ("spawn" if backend == "nccl" else "fork")
-    if method not in ("fork", "spawn"):
-        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+    method = start.choose_start_method(start_method, backend)
     if under_torchrun():
         if allow_deaths:
             raise ValueError("allow_deaths=True is for local launches: under torchrun its agent restarts the group "
@@ -140,44 +145,78 @@ def _warm_imports() -> None:
 
 
 def _launch_local(fn, world_size, args, kwargs, timeout, backend, method, allow_deaths=False):
-    if method == "spawn" and getattr(fn, "__module__", "__main__") == "__main__":
-        raise ValueError("ranks started with 'spawn' (always so with backend='nccl') need the worker in an importable "
-                         ".py module: a function defined in a notebook cell cannot be found by a spawned process. "
-                         "Move it into a module, or use backend='gloo' with the default 'fork'.")
     if method == "fork":
         _warm_imports()
-    ctx = mp.get_context(method)
+        work = (fn, args, kwargs)                   # inherited by the fork: nothing pickled
+    else:
+        work = start.dumps(fn, args, kwargs)        # by value; an object that cannot travel is named here
+    ctx = start.context(method, _PRELOAD)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
     tmpdir = tempfile.mkdtemp(prefix="course-launch-")
+    env = _rank_env()
     procs, conns = [], []
     try:
-        if method == "spawn":   # a spawned rank 0 cannot inherit the socket: hand over the port instead
-            listener.close()
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            fd = listener.fileno() if method == "fork" else None
+            # rank 0 serves the store on this socket: a forked rank inherits its descriptor; a spawned one gets the
+            # socket itself, duplicated into it by multiprocessing (SCM_RIGHTS to the fork server, or passed fds)
+            listen = (listener.fileno() if method == "fork" else listener) if rank == 0 else None
             p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
-                            args=(fn, rank, world_size, backend, port, fd, args, kwargs, send_end,
-                                  os.path.join(tmpdir, f"rank{rank}.stack"), timeout))
+                            args=(work, rank, world_size, backend, port, listen, send_end,
+                                  os.path.join(tmpdir, f"rank{rank}.stack"), timeout, os.getpid(), env))
             p.start()
             send_end.close()
             procs.append(p)
             conns.append(recv_end)
         listener.close()                            # rank 0 holds the port now; it closes when rank 0 ends
-        return _collect(procs, conns, timeout, tmpdir, allow_deaths)
+        return _collect(procs, conns, timeout, tmpdir, allow_deaths, method)
     finally:
         listener.close()
         _kill_all(procs)
         for c in conns:
             c.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
-        if method == "spawn":   # spawn starts multiprocessing's resource-tracker process; it must not outlive us
-            with contextlib.suppress(Exception):
-                from multiprocessing import resource_tracker
-                resource_tracker._resource_tracker._stop()
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (lo on Linux, lo0 on macOS and the BSDs), None if there is no such list."""
+    with contextlib.suppress(Exception):
+        for _, name in socket.if_nameindex():
+            if name in ("lo", "lo0") or name.startswith("Loopback"):
+                return name
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _hostname_binds() -> bool:
+    """Whether this machine's host name resolves to an address it can bind, as gloo needs (asked once: a resolver
+    that times out would otherwise cost every launch)."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _rank_env() -> dict[str, str]:
+    """Environment the ranks set before joining: gloo's interface when the host name does not resolve to an
+    address this machine can bind (macOS often), since gloo would print a fallback warning into the notebook at
+    every launch. A GLOO_SOCKET_IFNAME the user set wins."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or _hostname_binds():
+        return {}
+    name = _loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
+
+# A rank that is not forked runs Python's start-up before the worker; an error there (most often a script that
+# launches without `if __name__ == "__main__":`, so each rank launches again) is printed to stderr, not sent back.
+_START_HINT = ("\nIt may have failed before its worker started; its error is printed above this message. A script "
+               "that calls launch under spawn or forkserver must do so inside `if __name__ == '__main__':`.")
 
 
 # Errors a rank raises because *another* rank failed: never the cause when a better candidate exists.
@@ -185,7 +224,7 @@ _PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Read
                   "Socket Timeout", "Timed out waiting", "connection refused")
 
 
-def _collect(procs, conns, timeout, tmpdir, allow_deaths=False):
+def _collect(procs, conns, timeout, tmpdir, allow_deaths=False, method="fork"):
     """Wait for every rank's report; on the first failure give the others a short grace, then stop them (a death
     is no failure with `allow_deaths`: the others go on)."""
     n = len(procs)
@@ -225,7 +264,9 @@ def _collect(procs, conns, timeout, tmpdir, allow_deaths=False):
                 procs[i].join(1.0)
                 code = procs[i].exitcode
                 failures[i] = f"rank {i} exited with code {code} without reporting a result " \
-                              f"(killed by a signal, or os._exit/sys.exit in the worker)"
+                              f"(killed by a signal, or os._exit/sys.exit in the worker)" + _fatal_dump(tmpdir, i)
+                if method != "fork" and code == 1:
+                    failures[i] += _START_HINT
                 causes.append((1, time.time(), i, "RankDied", f"exited with code {code} without a result"))
             if kind is not None:
                 pending.discard(i)
@@ -249,6 +290,8 @@ def _collect(procs, conns, timeout, tmpdir, allow_deaths=False):
 def _dump_stacks(procs: dict, tmpdir: str, wait: float = 3.0) -> dict[int, str]:
     """Ask every still-running rank for its Python stack (faulthandler on SIGUSR1), all at once."""
     paths = {i: os.path.join(tmpdir, f"rank{i}.stack") for i in procs}
+    if not hasattr(signal, "SIGUSR1"):       # Windows: no signal to ask with
+        return {i: "still running when stopped (no stack: this platform has no SIGUSR1)" for i in procs}
     for p in procs.values():
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):
@@ -272,6 +315,15 @@ def _dump_stacks(procs: dict, tmpdir: str, wait: float = 3.0) -> dict[int, str]:
     return out
 
 
+def _fatal_dump(tmpdir: str, rank: int) -> str:
+    """What faulthandler wrote when the rank crashed (segfault, abort), or nothing."""
+    with contextlib.suppress(OSError):
+        text = open(os.path.join(tmpdir, f"rank{rank}.stack")).read().strip()
+        if text:
+            return "\n" + text
+    return ""
+
+
 def _message(head: str, failures: dict[int, str]) -> str:
     parts = [head]
     for rank in sorted(failures):
@@ -283,10 +335,11 @@ def _kill_all(procs) -> None:
     for p in procs:
         if p.pid is None:
             continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGKILL)
+        if hasattr(os, "killpg"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, OSError, ValueError):
+            p.kill()
     for p in procs:
         if p.pid is not None:
             p.join(5)

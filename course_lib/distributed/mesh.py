@@ -151,6 +151,17 @@ class Mesh:
                 self._products[key] = self._make(name, groups)
         return self._products[key]
 
+    def partition_group(self, name: str, groups: list) -> Communicator:
+        """A communicator over this rank's group in `groups` (a partition of the world that is no product of axes,
+        e.g. expert parallelism's edp × cp), made on first use under `name`, collectively — every rank asks for it
+        in the same order. A partition equal to an axis's reuses that axis's process group."""
+        if name not in self._products:
+            groups = [sorted(g) for g in groups]
+            same = [a for a in AXES + SUB_AXES if sorted(map(sorted, self.groups(a))) == sorted(groups)]
+            self._products[name] = (self._comms[same[0]].renamed(name) if same
+                                    else self._make(name, sorted(groups)))
+        return self._products[name]
+
     def group_of(self, axis: str, rank: int | None = None) -> list[int]:
         """The world ranks in `rank`'s group along `axis` (default: this rank)."""
         rank = self.rank if rank is None else rank

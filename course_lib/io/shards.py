@@ -100,7 +100,7 @@ class ShardIndex:
         return json.dumps(d, indent=1).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "ShardIndex":
+    def from_json(cls, data: bytes) -> ShardIndex:
         d = json.loads(data)
         d["shards"] = tuple(ShardInfo(**s) for s in d["shards"])
         return cls(**d)

@@ -77,7 +77,8 @@ def dp_coordinates(dp) -> tuple[int, int]:
         return dp.dp_rank, dp.size("dp")
     if isinstance(dp, Communicator):
         return dp.rank, dp.world_size
-    raise TypeError(f"dp must be a course_lib.distributed.mesh.Mesh or a Communicator (ctx.comm), got {type(dp).__name__}")
+    raise TypeError(f"dp must be a course_lib.distributed.mesh.Mesh or a Communicator (ctx.comm), "
+                    f"got {type(dp).__name__}")
 
 
 class StreamingBatches:

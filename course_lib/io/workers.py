@@ -35,9 +35,9 @@ def stream_worker(ctx, access, bucket: str, index: ShardIndex, *, micro_batch_si
            "batches": batches[:keep_steps], "seconds": seconds, "issued": issued, "losses": [], "tokens_per_s": None}
     stream.close()
     if train_steps:
+        from .. import optim
         from ..core.model import GPT
         from ..parallel.dp import apply_dp
-        from .. import optim
         from ..train import optimizer_kwargs, run
         model = apply_dp(GPT(cfg, seed=tc.seed), ctx.comm, kind="bucket")
         with StreamingBatches(source, index, micro_batch_size=micro_batch_size, dp=ctx.comm, seed=seed,

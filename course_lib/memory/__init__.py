@@ -31,8 +31,24 @@ of a device memory limit, not a measurement of one.
     tracker      `MemoryTracker` (the accountant), `carry_tracking` (other threads), `SimulatedAccelerator`
     report       `MemoryReport`, `SimulatedOutOfMemoryError`, `tensor_bytes`
 """
-from .labels import (CATEGORIES, CATEGORY_COLORS, PLACEMENTS, _active, _category, _Outer, _paused,  # noqa: F401
-                     _placement, active_trackers, alloc_category, fmt_bytes, now, parse_bytes, placed,
-                     register_category, saved_tensors_hooks_over, untracked)
+from .labels import (  # noqa: F401
+                     CATEGORIES,
+                     CATEGORY_COLORS,
+                     PLACEMENTS,
+                     _active,
+                     _category,
+                     _Outer,
+                     _paused,
+                     _placement,
+                     active_trackers,
+                     alloc_category,
+                     fmt_bytes,
+                     now,
+                     parse_bytes,
+                     placed,
+                     register_category,
+                     saved_tensors_hooks_over,
+                     untracked,
+)
 from .report import MemoryReport, SimulatedOutOfMemoryError, tensor_bytes  # noqa: F401
 from .tracker import MemoryTracker, SimulatedAccelerator, carry_tracking  # noqa: F401

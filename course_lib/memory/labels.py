@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-
 CATEGORIES = ["parameters", "gradients", "optimizer", "activations", "comm", "other"]   # open: register_category
 CATEGORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
                    "activations": "#C44E52", "comm": "#8172B3", "other": "#BBBBBB"}
@@ -80,7 +79,7 @@ def untracked():
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(size: "int | float | str") -> int:
+def parse_bytes(size: int | float | str) -> int:
     """'8 MiB' / '1.5GB' / 1024 -> bytes."""
     if isinstance(size, (int, float)) and not isinstance(size, bool):
         return int(size)

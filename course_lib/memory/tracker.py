@@ -13,8 +13,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .labels import (CATEGORIES, PLACEMENTS, _active, _category, _check_category, _check_placement, _paused,
-                     _placement, fmt_bytes, now, parse_bytes)
+from .labels import (
+    CATEGORIES,
+    PLACEMENTS,
+    _active,
+    _category,
+    _check_category,
+    _check_placement,
+    _paused,
+    _placement,
+    fmt_bytes,
+    now,
+    parse_bytes,
+)
 from .report import MemoryReport, SimulatedOutOfMemoryError
 
 
@@ -28,7 +39,7 @@ class MemoryTracker(TorchDispatchMode):
     device's; `current_at(placement)` and `peak_at(placement)` the others'.
     """
 
-    def __init__(self, *, capacity: "int | str | None" = None, name: str = "simulated accelerator",
+    def __init__(self, *, capacity: int | str | None = None, name: str = "simulated accelerator",
                  timeline: bool = True, max_timeline: int = 200_000):
         super().__init__()
         self.capacity = None if capacity is None else parse_bytes(capacity)
@@ -91,7 +102,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _snapshot(self):
         if self._record and len(self.timeline) < self._max_timeline:
-            self.timeline.append((now(), {p: dict(r) for p, r in self._bytes.items() if p == "device" or any(r.values())}))
+            self.timeline.append((now(), {p: dict(r) for p, r in self._bytes.items()
+                                          if p == "device" or any(r.values())}))
 
     def _add(self, storage, category: str, placement: str) -> None:
         key = storage._cdata
@@ -142,7 +154,7 @@ class MemoryTracker(TorchDispatchMode):
             f"recompute activations (notebook 08), shard with ZeRO/FSDP (04) or offload (07).")
 
     # ------------------------------------------------------------------ public API
-    def track(self, tensors, category: str, placement: str | None = None) -> "MemoryTracker":
+    def track(self, tensors, category: str, placement: str | None = None) -> MemoryTracker:
         """Register (or relabel) existing tensors, e.g. `track(model.parameters(), 'parameters')`. A tensor already
         tracked keeps its placement unless one is given; a new one gets `placement` or the current `placed(...)`."""
         _check_category(category)
@@ -153,7 +165,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._relabel(t.untyped_storage(), category, placement)
         return self
 
-    def move(self, tensors, placement: str) -> "MemoryTracker":
+    def move(self, tensors, placement: str) -> MemoryTracker:
         """Relabel where already tracked tensors live (their category stays)."""
         _check_placement(placement)
         for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
@@ -176,7 +188,7 @@ class MemoryTracker(TorchDispatchMode):
     def remove_external(self, key) -> None:
         self._free(("external", key))
 
-    def watch(self, model: "torch.nn.Module | None" = None, optimizer: "torch.optim.Optimizer | None" = None):
+    def watch(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
         """Track a model's parameters (and buffers as 'other'), label its gradients and an optimizer's state."""
         if model is not None:
             self.track(list(model.parameters()), "parameters")
@@ -354,7 +366,7 @@ class SimulatedAccelerator:
     the device count against it: what offload moves to 'host' or 'disk' does not.
     """
 
-    def __init__(self, capacity: "int | str", name: str = "simulated accelerator"):
+    def __init__(self, capacity: int | str, name: str = "simulated accelerator"):
         self.capacity = parse_bytes(capacity)
         if self.capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity!r}")

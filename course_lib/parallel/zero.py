@@ -47,8 +47,7 @@ from ..distributed.mesh import Mesh, axis_comm
 from ..memory import alloc_category
 from ..optim.master import kept_master, set_master
 from ..core.handles import attach
-from .dp import DataParallelBucket, apply_dp
-from .expert import ExpertDataParallel, is_expert_param
+from .dp import apply_dp
 from .fsdp import apply_fsdp
 from .pipeline.stage import PipelineStage
 
@@ -266,10 +265,9 @@ def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, kind: str = "bucke
                bucket_cap_bytes: int | None = DEFAULT_BUCKET_CAP_BYTES, fsdp_options: dict | None = None) -> nn.Module:
     """ZeRO stage 0 (= DDP), 1, 2 or 3 (= FSDP) over the data-parallel ranks — the one place the course builds a
     ZeRO stage. Returns the model to train: a DDP (`kind`) or FSDP wrapper for stages 0 and 3; for stages 1 and 2
-    the model itself, its optimizer to be sharded when `course_lib.optim.build(model, …)` builds it. A model with
-    experts is reduced by `ExpertDataParallel` (replicated parameters over dp, experts over edp). Either way
-    `handle_of(model, "data_parallel")` is what reduces the gradients: hand it to `forward_backward(sync=…)` or a
-    pipeline's `data_parallel`.
+    the model itself, its optimizer to be sharded when `course_lib.optim.build(model, …)` builds it (a model with
+    experts: `expert.apply_expert_zero`). Either way `handle_of(model, "data_parallel")` is what reduces the
+    gradients: hand it to `forward_backward(sync=…)` or a pipeline's `data_parallel`.
 
     The data-parallel ranks are the mesh's dp × cp group (context-parallel ranks hold partial gradients of the same
     weights), or the Communicator given. Single rank (no mesh, one dp rank, stage 0): the model as it is."""
@@ -279,13 +277,6 @@ def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, kind: str = "bucke
         raise ValueError("ZeRO-3 does not compose with a pipeline stage here: it would all-gather the parameters "
                          "in every micro-batch's forward and backward; use zero stage 1 or 2 with pipelines")
     comm = _dp_group(mesh_or_comm)
-    if any(is_expert_param(name) for name, _ in model.named_parameters()):
-        if stage:
-            raise ValueError(f"ZeRO-{stage} over a model with experts is not built here: use stage 0 "
-                             f"(ExpertDataParallel reduces the experts over edp)")
-        wrapped = ExpertDataParallel(model, mesh_or_comm)
-        attach(wrapped, "data_parallel", wrapped)
-        return wrapped
     if stage == 0:
         if comm is None or comm.world_size == 1:
             return model
@@ -293,38 +284,32 @@ def apply_zero(model: nn.Module, mesh_or_comm, stage: int, *, kind: str = "bucke
         return apply_dp(model, comm, kind=kind, **({"bucket_cap_bytes": cap} if kind != "naive" else {}))
     if stage == 3:
         return apply_fsdp(model, comm, **(fsdp_options or {}))
-    attach(model, "data_parallel", ZeroShards(comm, stage, bucket_cap_bytes))
+    attach(model, "data_parallel", ZeroShards(lambda params, cls, **kw: ShardedOptimizer(
+        params, cls, comm, stage=stage, bucket_cap_bytes=bucket_cap_bytes, **kw)))
     return model
 
 
 class ZeroShards:
-    """ZeRO-1/2's handle before and after the optimizer exists: `build_optimizer` makes the `ShardedOptimizer` (the
-    optimizer factory calls it with the class the other techniques chose), and then this reduces the gradients as
-    the optimizer does — `no_sync`, `finish_gradient_synchronization` and the bytes it sends are the optimizer's."""
+    """ZeRO-1/2's handle before and after its optimizer exists: `build_optimizer` makes the sharded optimizer (the
+    optimizer factory calls it with the class the other techniques chose), and from then on this reduces the
+    gradients as that optimizer does — `no_sync`, `finish_gradient_synchronization` and the bytes it sends are the
+    optimizer's own."""
 
-    def __init__(self, comm, stage: int, bucket_cap_bytes: int | None):
-        self.comm, self.stage, self.bucket_cap_bytes = comm, stage, bucket_cap_bytes
-        self.optimizer: ShardedOptimizer | None = None
+    def __init__(self, make):
+        self.make = make                    # (params, optimizer_cls, **hyper) -> the sharded optimizer
+        self.optimizer = None
 
-    def build_optimizer(self, params, optimizer_cls, **optimizer_kwargs) -> "ShardedOptimizer":
-        self.optimizer = ShardedOptimizer(params, optimizer_cls, self.comm, stage=self.stage,
-                                          bucket_cap_bytes=self.bucket_cap_bytes, **optimizer_kwargs)
+    def build_optimizer(self, params, optimizer_cls, **optimizer_kwargs):
+        self.optimizer = self.make(params, optimizer_cls, **optimizer_kwargs)
         return self.optimizer
 
-    def _built(self) -> "ShardedOptimizer":
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("make", "optimizer"):
+            raise AttributeError(name)
         if self.optimizer is None:
-            raise RuntimeError("ZeRO-1/2 reduces the gradients in its optimizer: build it first "
-                               "(course_lib.optim.build(model, …))")
-        return self.optimizer
-
-    def no_sync(self):
-        return self._built().no_sync()
-
-    def finish_gradient_synchronization(self) -> None:
-        self._built().finish_gradient_synchronization()
-
-    def expected_bytes_sent(self, rank: int | None = None) -> int:
-        return self._built().expected_bytes_sent(rank)
+            raise AttributeError(f"ZeRO-1/2 reduces the gradients in its optimizer, which is not built yet: "
+                                 f"build it first (course_lib.optim.build(model, …)); asked for {name!r}")
+        return getattr(self.optimizer, name)
 
 
 def _dp_group(mesh_or_comm):

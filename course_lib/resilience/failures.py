@@ -47,7 +47,10 @@ def expected_time(work: float, tau: float, delta: float, mtbf: float, restart: f
     segment is shorter), with exponential failures of mean `mtbf` and a restart cost `restart`."""
     _positive(work=work, tau=tau, mtbf=mtbf)
     full, rest = divmod(work, tau)
-    seg = lambda s: (mtbf + restart) * math.expm1((s + delta) / mtbf)
+
+    def seg(s):
+        return (mtbf + restart) * math.expm1((s + delta) / mtbf)
+
     return full * seg(tau) + (seg(rest) if rest > 1e-12 * tau else 0.0)
 
 
@@ -67,7 +70,10 @@ def best_interval(work: float, delta: float, mtbf: float, restart: float) -> flo
     ceiling of work / τ∞.
     """
     _positive(work=work, mtbf=mtbf)
-    cost = lambda tau: expected_time(tau, tau, delta, mtbf, restart) / tau   # steady state: time per second of work
+
+    def cost(tau):                  # steady state: time per second of work
+        return expected_time(tau, tau, delta, mtbf, restart) / tau
+
     a, b = math.log(max(delta, 1e-9) * 1e-3), math.log(mtbf)
     g = (math.sqrt(5) - 1) / 2
     for _ in range(200):
@@ -128,7 +134,8 @@ class KillAt(Probe):
 
     def __init__(self, rank: int, step: int, *, phase: str = "backward", start_step: int = 0,
                  sig: int = signal.SIGKILL, note=None):
-        self.rank, self.step, self.phase, self.start_step, self.sig, self.note = rank, step, phase, start_step, sig, note
+        self.rank, self.step, self.phase = rank, step, phase
+        self.start_step, self.sig, self.note = start_step, sig, note
         self.name = f"kill rank {rank}"
 
     def start(self, model, optimizer):

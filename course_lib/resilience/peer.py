@@ -32,8 +32,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ..distributed.launch import LaunchError, LaunchTimeout, launch
 from ..core.files import atomic_write
+from ..distributed.launch import LaunchError, LaunchTimeout, launch
 from ..memory import now
 from ..train import Probe
 from .checkpoint import _fill, snapshot
@@ -220,10 +220,10 @@ def resilient_worker(ctx, attempt: int, memory: HostMemory, cfg, tc, *, stage: i
     in attempt > 0 restore from peers first. kill: [(rank, step), ...] — in attempt 0 each of those ranks is
     SIGKILLed in that step's backward (`note`: a file that receives the time of death). Returns this rank's final
     state pieces, the step it started from, where its state came from, and timings (perf_counter)."""
+    from .. import optim
     from ..core.model import GPT
     from ..distributed.mesh import data_parallel_batches
     from ..parallel.zero import apply_zero
-    from .. import optim
     from ..train import optimizer_kwargs, run
     from .checkpoint import CheckpointError
     from .failures import KillAt

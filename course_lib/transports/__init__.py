@@ -20,9 +20,25 @@ re-exported here (`Stage`, `pipelined_time`):
 """
 from ..core.costmodel import Stage, pipelined_time
 from .exchange import CATEGORY_COLORS, SCENARIOS, Exchange, exchange_stages, model_exchange, plot_exchanges
-from .measure import (DEFAULT_TIMEOUT, MEASURED_PATHS, PATHS, KiB, MeasuredPath, MiB, TransportMeasurement,
-                      measure_transports, memcpy_once, message_sizes, pattern, recv_shm_write, recv_tcp_naive,
-                      recv_tcp_zerocopy, send_shm_write, send_tcp_naive, send_tcp_zerocopy)
+from .measure import (
+                      DEFAULT_TIMEOUT,
+                      MEASURED_PATHS,
+                      PATHS,
+                      KiB,
+                      MeasuredPath,
+                      MiB,
+                      TransportMeasurement,
+                      measure_transports,
+                      memcpy_once,
+                      message_sizes,
+                      pattern,
+                      recv_shm_write,
+                      recv_tcp_naive,
+                      recv_tcp_zerocopy,
+                      send_shm_write,
+                      send_tcp_naive,
+                      send_tcp_zerocopy,
+)
 from .paths import BOXES, ENGINES, Move, RealPath, draw_paths, real_world_paths
 from .staging import CopyEngine, LoggedSocket, measure_staged_send, overlap_fraction, send_staged_serial
 

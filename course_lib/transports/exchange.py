@@ -20,7 +20,8 @@ from ..core.costmodel import Link, Stage, get_link, pipelined_time
 from .measure import MiB
 from .paths import ENGINES, RealPath, real_world_paths
 
-def exchange_stages(link: "Link | str", path: "RealPath | str", *, pcie: "Link | str" = "PCIe Gen5 x16",
+
+def exchange_stages(link: Link | str, path: RealPath | str, *, pcie: Link | str = "PCIe Gen5 x16",
                     cpu_s_per_byte: float | None = None) -> list[Stage]:
     """The stages of one transfer, read off `path.moves`: a GPU copy-engine move costs a PCIe transfer, a kernel
     move costs `cpu_s_per_byte` of CPU protocol work, the wire costs `link`. NIC DMA is not a stage of its own: the
@@ -72,7 +73,7 @@ class Exchange:
         return f"{self.path} over {self.link}"
 
 
-def model_exchange(nbytes: float, link: "Link | str", path: "RealPath | str", *, pcie: "Link | str" = "PCIe Gen5 x16",
+def model_exchange(nbytes: float, link: Link | str, path: RealPath | str, *, pcie: Link | str = "PCIe Gen5 x16",
                    cpu_s_per_byte: float | None = None, chunk_bytes: float = 4 * MiB) -> Exchange:
     """Modeled time to move `nbytes` GPU → GPU across two nodes, serial and pipelined in chunks of ≤ chunk_bytes."""
     stages = tuple(exchange_stages(link, path, pcie=pcie, cpu_s_per_byte=cpu_s_per_byte))

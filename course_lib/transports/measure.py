@@ -34,9 +34,7 @@ Checked against Hockney's α–β model (Parallel Computing 20(3), 1994; docs/fo
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 import os
 import resource
 import time
@@ -46,7 +44,7 @@ import numpy as np
 import torch
 
 from ..core.costmodel import GB, Link, fit_alpha_beta
-from .wire import (KiB, MiB, _read_exact_fd, connect_ranks, loopback_listener, memcpy_once,  # noqa: F401
+from .wire import (KiB, MiB, SharedRegion, _read_exact_fd, connect_ranks, memcpy_once,  # noqa: F401
                    recv_ack, recv_shm_write, recv_tcp_naive, recv_tcp_zerocopy, send_shm_write, send_tcp_naive,
                    send_tcp_zerocopy)
 
@@ -192,16 +190,17 @@ def _rusage() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, cpu_rounds, verify, seed,
+def _transport_worker(ctx, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, cpu_rounds, verify, seed,
                       timeout, fault):
     """Rank 0 sends and times, rank 1 receives. Both walk the same deterministic plan, so no control messages."""
-    listener, shared, (doorbell_r, doorbell_w), (ack_r, ack_w) = res
     sender = ctx.rank == 0
     max_n = max(max(sizes), cpu_bytes)
-    # Close the pipe ends this side never uses, so a dead peer shows as EOF rather than silence.
-    for fd in ((doorbell_r, ack_w) if sender else (doorbell_w, ack_r)):
-        os.close(fd)
-    sock = connect_ranks(listener, ctx.rank, timeout)
+    region = SharedRegion(ctx.rank, max_n, timeout)     # registered before any message, as RDMA memory is
+    shared = region.buffer
+    # each side holds only the pipe ends it uses: the sender writes the doorbell and reads the ack
+    doorbell_w, ack_r = (region.write_fd, region.read_fd) if sender else (None, None)
+    doorbell_r, ack_w = (None, None) if sender else (region.read_fd, region.write_fd)
+    sock = connect_ranks(ctx.rank, timeout)
     src = pattern(max_n, seed)
     src_np, src_mv = src.numpy(), memoryview(src.numpy())
     dst = torch.zeros(max_n, dtype=torch.uint8)                   # touched now, so no page faults when timed
@@ -283,6 +282,7 @@ def _transport_worker(ctx, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_me
                 cpu[path][r] = (u1 - u0, s1 - s0)
     finally:
         sock.close()
+        region.close()
     if sender:
         return {"samples": samples, "fastest": fastest, "cpu": cpu, "cpu_wall": cpu_wall, "verified": verified}
     return {"cpu": cpu, "verified": verified}
@@ -301,9 +301,9 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
     every message with the expected bytes (slower; timings then mean nothing). `fault` ('raise' or 'hang' in the
     receiver after its first message) exists for the tests that prove nothing is left behind when a rank fails.
 
-    The listening socket, the shared buffer and the pipes are made here, before the ranks fork, so the ranks inherit
-    them (the shared buffer is "registered" before any message, like RDMA memory registration) and this function
-    closes them whatever happens; `launch` kills both ranks on error or timeout.
+    The connection, the shared buffer and the pipes are made inside the ranks before any message (the shared
+    buffer is "registered" like RDMA memory), so this runs however `launch` starts its ranks, and no name is left
+    on disk; `launch` kills both ranks on error or timeout.
     """
     from ..distributed.launch import launch
 
@@ -320,29 +320,8 @@ def measure_transports(sizes=None, paths=PATHS, *, repeats: int = 5, warmup: int
         raise ValueError("repeats >= 1, warmup >= 0, cpu_messages >= 1, cpu_bytes >= 1, cpu_rounds >= 1")
     if fault not in (None, "raise", "hang"):
         raise ValueError("fault must be None, 'raise' or 'hang'")
-    listener = loopback_listener()
-    pipes: list[int] = []
-    buf = None
-    shared = None
-    try:
-        # MAP_SHARED | MAP_ANONYMOUS: one physical buffer both forked ranks see; nothing to unlink afterwards.
-        buf = mmap.mmap(-1, max(max(sizes), cpu_bytes))
-        shared = torch.frombuffer(buf, dtype=torch.uint8)
-        shared.zero_()                                   # fault the pages in now, not inside a timed write
-        doorbell, ack = os.pipe(), os.pipe()
-        pipes = [*doorbell, *ack]
-        res = (listener, shared, doorbell, ack)
-        out = launch(_transport_worker, 2, res, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages,
-                     int(cpu_rounds), verify, seed, timeout, fault, timeout=timeout)
-    finally:
-        listener.close()
-        for fd in pipes:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        del shared
-        if buf is not None:
-            with contextlib.suppress(BufferError):
-                buf.close()
+    out = launch(_transport_worker, 2, sizes, paths, repeats, warmup, cpu_bytes, cpu_messages, int(cpu_rounds),
+                 verify, seed, timeout, fault, timeout=timeout)
     snd, rcv = out
     verified = {p: (snd if p == "memcpy" else rcv)["verified"][p] for p in paths}   # who compared the bytes
     cpu = {p: {side: {"user": out[rank]["cpu"][p][:, 0], "sys": out[rank]["cpu"][p][:, 1]}

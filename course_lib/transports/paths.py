@@ -90,7 +90,7 @@ _X.update({("recv", b): 1.35 * (2 * len(BOXES)) + 0.4 - 1.35 * (i + 1) for i, b 
 _W, _H = 1.05, 0.62
 
 
-def draw_paths(paths: "dict[str, RealPath] | None" = None, *, axes=None, title: str = "How a gradient crosses two "
+def draw_paths(paths: dict[str, RealPath] | None = None, *, axes=None, title: str = "How a gradient crosses two "
                "nodes: copies, kernel, NIC (modeled after NVIDIA's GPUDirect RDMA docs)"):
     """One row per path: the boxes of both nodes, each movement an arrow numbered in order and coloured by engine.
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from .measure import DEFAULT_TIMEOUT, KiB, MiB, connect_ranks, loopback_listener, pattern, recv_ack, \
+from .measure import DEFAULT_TIMEOUT, KiB, MiB, connect_ranks, pattern, recv_ack, \
     recv_tcp_zerocopy
 
 class CopyEngine:
@@ -88,11 +88,11 @@ def send_staged_serial(sock: socket.socket, device: torch.Tensor, bounce: torch.
         sock.sendall(memoryview(bounce[0].numpy())[:m])          # wire: host → kernel → peer
 
 
-def _staged_worker(ctx, listener, send_fns, nbytes, chunk_bytes, slots, staging_bandwidth, staging_ratio, repeats,
+def _staged_worker(ctx, send_fns, nbytes, chunk_bytes, slots, staging_bandwidth, staging_ratio, repeats,
                    seed, timeout, sock_buffer):
     order = list(send_fns)
     calib = 3                                                   # wire-only sends that calibrate the staging rate
-    sock = connect_ranks(listener, ctx.rank, timeout, sndbuf=sock_buffer)
+    sock = connect_ranks(ctx.rank, timeout, sndbuf=sock_buffer, rcvbuf=sock_buffer)
     try:
         if ctx.rank == 0:
             device = pattern(nbytes, seed)
@@ -154,7 +154,7 @@ def measure_staged_send(send_fns: dict, nbytes: int = 32 * MiB, chunk_bytes: int
     per repeat]}, "intact": {name: bool}, "wire_time": s, "staging_bandwidth": B/s}. `sock` is a `LoggedSocket`:
     use sendall. The variants alternate within each repeat so load drift hits them alike; the clock stops at the
     receiver's ack (all bytes there), and the byte comparison happens outside it. Functions defined in a notebook
-    cell work (ranks are forked).
+    cell work, under every start method.
     """
     from ..distributed.launch import launch
     if nbytes < 1 or chunk_bytes < 1 or slots < 1 or repeats < 1 or staging_ratio <= 0:
@@ -163,11 +163,6 @@ def measure_staged_send(send_fns: dict, nbytes: int = 32 * MiB, chunk_bytes: int
         raise ValueError("staging_bandwidth must be positive (bytes/s)")
     # Small kernel buffers on both ends: otherwise the socket buffer itself stages megabytes and sendall returns long
     # before the bytes have crossed, hiding the very overlap being measured.
-    listener = loopback_listener(rcvbuf=sock_buffer)
-    try:
-        out = launch(_staged_worker, 2, listener, dict(send_fns), int(nbytes), int(chunk_bytes), int(slots),
-                     staging_bandwidth, float(staging_ratio), int(repeats), seed, timeout, int(sock_buffer),
-                     timeout=timeout)
-    finally:
-        listener.close()
+    out = launch(_staged_worker, 2, dict(send_fns), int(nbytes), int(chunk_bytes), int(slots), staging_bandwidth,
+                 float(staging_ratio), int(repeats), seed, timeout, int(sock_buffer), timeout=timeout)
     return out[0]

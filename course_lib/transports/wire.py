@@ -6,11 +6,14 @@
                   kernel on the data path)
     memcpy        one copy in one process: the floor every path is measured against
 
-and the loopback sockets they run over. `transports.measure` times them; the paths and their costs are described
-there.
+and what they run over, made inside the two ranks however those were started: the loopback connection
+(`connect_ranks`) and the shared buffer with its doorbell and ack pipes (`SharedRegion`). `transports.measure` times
+them; the paths and their costs are described there.
 """
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import select
 import socket
@@ -31,41 +34,93 @@ def _tcp_socket(buffer_option: int, size: int | None) -> socket.socket:
     return sock
 
 
-def loopback_listener(rcvbuf: int | None = None) -> socket.socket:
-    """A TCP socket listening on 127.0.0.1 at a free port. Made in the parent before the ranks fork, so both inherit
-    it; the parent closes it whatever happens. `rcvbuf` fixes the receive buffer of the connection it will accept."""
-    listener = _tcp_socket(socket.SO_RCVBUF, rcvbuf)
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-    except OSError:
-        listener.close()
-        raise
-    return listener
+def _publish(value, src: int):
+    """`value` from rank `src` to both ranks, over the process group `launch` already joined."""
+    import torch.distributed as dist
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
-def connect_ranks(listener: socket.socket, rank: int, timeout: float, sndbuf: int | None = None) -> socket.socket:
-    """The one connection between rank 0 (connects; the sender) and rank 1 (accepts; the receiver), each closing
-    its inherited copy of the listener. Every blocking call gets `timeout`, so a dead peer is an exception, never a
-    hang; TCP_NODELAY, so small messages and 1-byte acks leave at once instead of waiting for Nagle's timer.
-    `sndbuf` fixes the sender's buffer, as the listener's `rcvbuf` fixes the receiver's."""
-    if rank == 0:
-        addr = listener.getsockname()
-        listener.close()
-        sock = _tcp_socket(socket.SO_SNDBUF, sndbuf)
-        sock.settimeout(timeout)
+def connect_ranks(rank: int, timeout: float, sndbuf: int | None = None, rcvbuf: int | None = None) -> socket.socket:
+    """The one TCP connection between rank 0 (connects; the sender) and rank 1 (listens on 127.0.0.1 at a free
+    port and accepts; the receiver). Made inside the ranks, so it needs no inheritance and works however the ranks
+    were started (fork, forkserver, spawn); the port goes from rank 1 to rank 0 over the process group. Every
+    blocking call gets `timeout`, so a dead peer is an exception, never a hang; TCP_NODELAY, so small messages and
+    1-byte acks leave at once instead of waiting for Nagle's timer. `sndbuf` fixes the sender's buffer and
+    `rcvbuf` the receiver's (set before listen/connect, because the window is agreed in the handshake)."""
+    listener = None
+    if rank == 1:
+        listener = _tcp_socket(socket.SO_RCVBUF, rcvbuf)
         try:
-            sock.connect(addr)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
         except OSError:
-            sock.close()
+            listener.close()
             raise
-    else:
-        listener.settimeout(timeout)
-        sock, _ = listener.accept()
-        listener.close()
-        sock.settimeout(timeout)     # an accepted socket does not inherit the listener's timeout
+    try:
+        port = _publish(listener.getsockname()[1] if listener else None, src=1)
+        if rank == 0:
+            sock = _tcp_socket(socket.SO_SNDBUF, sndbuf)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                raise
+        else:
+            listener.settimeout(timeout)
+            sock, _ = listener.accept()
+            sock.settimeout(timeout)     # an accepted socket does not inherit the listener's timeout
+    finally:
+        if listener is not None:
+            listener.close()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+class SharedRegion:
+    """What `shm_write` needs, "registered" by both ranks before any message, as RDMA registers memory: a buffer of
+    `nbytes` mapped into both processes (a file in shared memory, /dev/shm where there is one) and two one-way
+    pipes (named FIFOs), the doorbell (rank 0 → 1) and the ack (1 → 0). Rank 1 makes them in a private directory,
+    both ranks open them, and rank 1 removes the names at once: nothing is left on disk whatever happens next, and
+    each side holds only the pipe ends it uses, so a dead peer shows as EOF rather than silence. POSIX only."""
+
+    def __init__(self, rank: int, nbytes: int, timeout: float):
+        import tempfile
+        import torch.distributed as dist
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = tempfile.mkdtemp(prefix="course-shm-", dir=where) if rank == 1 else None
+        try:
+            if rank == 1:
+                with open(os.path.join(folder, "buffer"), "wb") as f:
+                    f.truncate(nbytes)
+                os.mkfifo(os.path.join(folder, "doorbell"), 0o600)
+                os.mkfifo(os.path.join(folder, "ack"), 0o600)
+            folder = _publish(folder, src=1)
+            mine, theirs = ("ack", "doorbell") if rank == 0 else ("doorbell", "ack")
+            # read end first, without blocking; then the write end, which opens at once because a reader exists
+            self.read_fd = os.open(os.path.join(folder, mine), os.O_RDONLY | os.O_NONBLOCK)
+            dist.barrier()
+            self.write_fd = os.open(os.path.join(folder, theirs), os.O_WRONLY)
+            os.set_blocking(self.read_fd, True)
+            with open(os.path.join(folder, "buffer"), "r+b") as f:
+                self._map = mmap.mmap(f.fileno(), nbytes)      # MAP_SHARED: one physical buffer, both mappings
+            self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.buffer.zero_()                 # fault this side's pages in now, not inside a timed write
+            dist.barrier()                      # both opened everything: the names can go
+        finally:
+            if rank == 1:
+                import shutil
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        del self.buffer
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
 
 # ------------------------------------------------------------------------------------------------ the data paths

@@ -10,10 +10,10 @@ notebook's comparison, formulas §15.7).
 import pytest
 
 from course_lib.calculator import toy
+from course_lib.composer.parallelize import ParallelPlan, parallelize
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config
-from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import LedgerProbe, MemoryProbe, TrainConfig
 
 pytestmark = pytest.mark.integration

@@ -43,9 +43,9 @@ def test_the_time_worker_returns_every_steps_seconds_and_each_axis_messages_per_
     ring all-reduces (back to back, and each after a block's forward + backward), each step's seconds, and the
     messages per step on each axis — for DDP on 2 ranks, the dp all-reduces only."""
     from course_lib.capstone import CONFIG, Job, time_worker
-    from course_lib.distributed.launch import launch
-    from course_lib.core.model import get_config
     from course_lib.composer.plan import ParallelPlan
+    from course_lib.core.model import get_config
+    from course_lib.distributed.launch import launch
     from course_lib.train import TrainConfig
     cfg = get_config("nano", **{**CONFIG, "n_layer": 2})
     jobs = [Job("DDP", ParallelPlan(dp=2), cfg, TrainConfig(steps=1, batch_size=8), "float32"),
@@ -68,9 +68,9 @@ def test_each_survey_rows_activation_peak_equals_its_closed_form_on_another_mode
     process, a 3-stage-in-flight pipeline, TP and SP, CP, offload, every recomputation policy, bf16."""
     from course_lib.capstone import Job
     from course_lib.capstone.survey import activation_formula, survey_worker
-    from course_lib.distributed.launch import launch
-    from course_lib.core.model import get_config
     from course_lib.composer.plan import ParallelPlan as P
+    from course_lib.core.model import get_config
+    from course_lib.distributed.launch import launch
     from course_lib.train import TrainConfig
     cfg = get_config("nano", n_layer=3, d_model=48, n_head=6, seq_len=16, vocab_size=200)
     tc = TrainConfig(steps=1, batch_size=6, seed=3, data_seed=3)

@@ -1,6 +1,6 @@
-"""course_lib.distributed.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives, and every
-rank's ledger bytes against the exact closed forms (docs/formulas.md §1); and Lab 02's checks, which must name the
-real cause of plausible wrong answers.
+"""course_lib.distributed.collectives on real gloo ranks: every algorithm against torch.distributed's own collectives,
+and every rank's ledger bytes against the exact closed forms (docs/formulas.md §1); and Lab 02's checks, which must
+name the real cause of plausible wrong answers.
 
 One launch per world size runs every case (algorithms × dtypes × ops × lengths, lengths not divisible by the world
 size included) and returns plain results; the tests below only read them, so the file stays fast.
@@ -224,7 +224,7 @@ def test_tree_broadcast_and_reduce_match_torch_from_every_root(ranks):
                 assert _close(c["got"], c["ref"], c["dtype"]), f"p={p} root {r} {c['op']} {c['dtype']} n={c['n']}"
             assert c["sent"] == c["want"], f"p={p} rank {r} root {c['root']}: {c['sent']} B vs {c['want']} B"
     S_roots = {}
-    for r, out in enumerate(res):            # the binomial root sends ⌈log₂p⌉·S, and the tree sends (p−1)·S in all
+    for out in res:                          # the binomial root sends ⌈log₂p⌉·S, and the tree sends (p−1)·S in all
         for c in out["broadcast"]:
             S_roots.setdefault((c["n"], c["dtype"], c["root"]), []).append(c["sent"])
     for (n, dtype, root), sent in S_roots.items():

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib.core.moe import MoE, capacity, check_moe, route
 from course_lib.distributed.all_to_all import all_to_all, all_to_all_bytes
 from course_lib.distributed.launch import launch
-from course_lib.core.moe import MoE, capacity, check_moe, route
 from course_lib.parallel import context as C
 from course_lib.parallel.expert import ExpertParallelMoE, expert_bytes_per_forward
 
@@ -186,11 +186,11 @@ def test_bad_moe_settings_are_refused_before_any_rank_waits():
 
 # ------------------------------------------------------------------------------------------ the GPT under cp × dp
 def _cp_gpt(ctx, cfg, tc, dp, cp, layout):
-    from course_lib.distributed.mesh import Mesh
+    from course_lib import optim
     from course_lib.core.model import GPT
+    from course_lib.distributed.mesh import Mesh
     from course_lib.parallel.context import apply_cp
     from course_lib.parallel.dp import apply_dp
-    from course_lib import optim
     from course_lib.train import LedgerProbe, optimizer_kwargs, run
     mesh = Mesh(ctx.comm, dp=dp, cp=cp)
     model = apply_cp(GPT(cfg, seed=tc.seed).double(), mesh, layout=layout)
@@ -220,10 +220,10 @@ def test_the_gpt_under_context_parallelism_trains_like_one_process(dp, cp, layou
 
 # ------------------------------------------------------------------------------------------ the MoE GPT under ep × dp
 def _ep_gpt(ctx, cfg, tc, dp, ep):
-    from course_lib.distributed.mesh import Mesh
-    from course_lib.core.model import GPT
-    from course_lib.parallel.expert import ExpertDataParallel, apply_ep, is_expert_param
     from course_lib import optim
+    from course_lib.core.model import GPT
+    from course_lib.distributed.mesh import Mesh
+    from course_lib.parallel.expert import ExpertDataParallel, apply_ep, is_expert_param
     from course_lib.train import optimizer_kwargs, run
     mesh = Mesh(ctx.comm, dp=dp, ep=ep)
     model = GPT(cfg, seed=tc.seed).double()

@@ -20,13 +20,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from course_lib.core.data import ShardedBatches
-from course_lib.distributed.launch import launch
-from course_lib.core.model import GPT, get_config
-from course_lib.parallel import dp as D
-from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.composer.parallelize import train_parallel
 from course_lib import optim
+from course_lib.composer.parallelize import train_parallel
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import data_parallel_batches
+from course_lib.parallel import dp as D
 from course_lib.train import GradProbe, LedgerProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
@@ -94,7 +94,7 @@ def _all_wrappers(ctx):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(world_size: int):
     ref_losses, ref_params = _reference(_tc(world_size))   # also warms AdamW's lazy imports before fork
     return ref_losses, ref_params, launch(_all_wrappers, world_size, timeout=240)
@@ -323,7 +323,8 @@ def _bad_inputs(ctx):
     expect("not a communicator", TypeError, lambda: D.DataParallelBucket(GPT(PRESET), object()))
     expect("algorithm", ValueError, lambda: D.DataParallelOverlap(GPT(PRESET), ctx.comm, algorithm="carrier pigeon"))
     for cap in (0, -5, 1.5, True):
-        expect(f"cap {cap!r}", ValueError, lambda: D.DataParallelBucket(GPT(PRESET), ctx.comm, bucket_cap_bytes=cap))
+        expect(f"cap {cap!r}", ValueError,
+               lambda cap=cap: D.DataParallelBucket(GPT(PRESET), ctx.comm, bucket_cap_bytes=cap))
     frozen = GPT(PRESET).requires_grad_(False)
     expect("all frozen", ValueError, lambda: D.DataParallelNaive(frozen, ctx.comm))
     expect("uneven batch", ValueError, lambda: data_parallel_batches(ctx.comm, 8, 5))

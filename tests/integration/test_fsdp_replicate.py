@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from course_lib import optim
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.core.model import GPT, GPTConfig
 from course_lib.parallel.fsdp import FSDP, apply_fsdp, norms_and_biases, shard_rows
-from course_lib import optim
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
@@ -165,7 +165,8 @@ def test_replicated_params_match_fsdp2_ignored_params_plus_an_all_reduce_gradien
     res = launch(_fsdp2_worker, 2, tc, timeout=180)
     for rows in res:
         assert len(rows) == len(FULL)
-        assert {name for name, ignored, *_ in rows if ignored} == {n for n in FULL if _chosen("norms+biases", n, FULL[n])}
+        assert ({name for name, ignored, *_ in rows if ignored}
+                == {n for n in FULL if _chosen("norms+biases", n, FULL[n])})
         for name, _, same_shape, d_value, d_grad in rows:
-            assert same_shape and d_value == 0.0, name               # the same rows (or whole tensor) of the same values
-            assert d_grad < TOL, (name, d_grad)                      # the same gradient after the reduction
+            assert same_shape and d_value == 0.0, name         # the same rows (or whole tensor) of the same values
+            assert d_grad < TOL, (name, d_grad)                # the same gradient after the reduction

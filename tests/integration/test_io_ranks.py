@@ -4,15 +4,15 @@ rank's shards — also when a middle rank leaves and the survivors are renumbere
 import pytest
 import torch
 
+from course_lib import optim
 from course_lib.core.data import load_tokens
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.io import cache as K
 from course_lib.io import shards as H
 from course_lib.io import store as S
 from course_lib.io import stream as R
 from course_lib.io.workers import cache_worker, stream_worker
-from course_lib.core.model import GPT, get_config
-from course_lib import optim
 from course_lib.train import TrainConfig, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration

@@ -1,15 +1,14 @@
-"""The rank mesh (course_lib.distributed.mesh) on real ranks: the groups are the expected rank sets, every axis books its
-traffic under its own name in the one ledger, axes of size 1 cost nothing, and data is split by dp rank only."""
+"""The rank mesh (course_lib.distributed.mesh) on real ranks: the groups are the expected rank sets, every axis books
+its traffic under its own name in the one ledger, axes of size 1 cost nothing, and data is split by dp rank only."""
 import pytest
 import torch
 
+from course_lib import optim
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed import collectives as C
 from course_lib.distributed.launch import launch
-from course_lib.distributed.mesh import AXES, Mesh
-from course_lib.core.model import GPT, get_config
+from course_lib.distributed.mesh import AXES, Mesh, data_parallel_batches
 from course_lib.parallel.dp import apply_dp
-from course_lib.distributed.mesh import data_parallel_batches
-from course_lib import optim
 from course_lib.train import LedgerProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration

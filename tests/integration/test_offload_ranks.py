@@ -11,17 +11,21 @@ import os
 import pytest
 import torch
 
-from course_lib.core.handles import handle_of
-from course_lib.core.data import ShardedBatches
-from course_lib.distributed.launch import launch
-from course_lib.distributed.mesh import Mesh
-from course_lib.memopt.offload import (OffloadAdam, apply_activation_offload, apply_offload,
-                                       offload_log)
-from course_lib.core.model import (GPT, GPTConfig, block_activation_bytes, embed_activation_bytes, get_config,
-                              head_activation_bytes)
-from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.parallel.pipeline.executor import apply_pipeline
 from course_lib import optim
+from course_lib.core.data import ShardedBatches
+from course_lib.core.handles import handle_of
+from course_lib.core.model import (
+    GPT,
+    GPTConfig,
+    block_activation_bytes,
+    embed_activation_bytes,
+    get_config,
+    head_activation_bytes,
+)
+from course_lib.distributed.launch import launch
+from course_lib.distributed.mesh import Mesh, data_parallel_batches
+from course_lib.memopt.offload import OffloadAdam, apply_activation_offload, apply_offload, offload_log
+from course_lib.parallel.pipeline.executor import apply_pipeline
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 pytestmark = pytest.mark.integration
@@ -154,8 +158,8 @@ def test_activation_offload_inside_pipeline_stages_matches_the_pipeline_without_
 def _parallelized_disk_worker(ctx, root):
     import tempfile
 
-    from course_lib.composer.plan import ParallelPlan
     from course_lib.composer.parallelize import parallelize
+    from course_lib.composer.plan import ParallelPlan
     torch.set_num_threads(1)
     tempfile.tempdir = root            # the SSD tier's default directory, so the test can look inside it
     tc = TrainConfig(steps=1, batch_size=2 * ctx.world_size)

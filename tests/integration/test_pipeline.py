@@ -17,12 +17,12 @@ import time
 import pytest
 import torch
 
+from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import LaunchError, launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config
 from course_lib.parallel import pipeline as P
-from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, train_reference
 
 pytestmark = pytest.mark.integration
@@ -85,12 +85,12 @@ def _everything(ctx):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(S: int):
     return launch(_everything, S, timeout=300)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(M: int):
     """One process on the same M·B sequences, float64: step-0 gradients, two steps of losses and parameters."""
     model = GPT(CFG).double()

@@ -10,8 +10,8 @@ import functools
 
 import pytest
 
-from course_lib.distributed.launch import launch
 from course_lib.core.model import get_config
+from course_lib.distributed.launch import launch
 from course_lib.parallel.pipeline import pipedream as PD
 
 pytestmark = pytest.mark.integration
@@ -27,7 +27,7 @@ def _modes(ctx):
             "2bw": PD.pipedream_run(ctx, CFG, "2bw", 3 * S, B, batch_microbatches=S, check=False)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(S):
     return launch(_modes, S, timeout=300)
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
+from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config
 from course_lib.parallel import pipeline as P
 from course_lib.parallel.pipeline.reference import torch_order, torch_pipeline_run, torch_schedule
-from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.train import GradProbe, TrainConfig
 
 pytestmark = pytest.mark.integration
@@ -55,7 +54,7 @@ def _torch_side(ctx):
     return {"orders": orders, "runs": runs}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(S):
     return launch(_torch_side, S, timeout=300)
 

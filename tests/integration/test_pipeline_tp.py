@@ -19,20 +19,18 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 import torch.nn as nn
 
+from course_lib import optim
 from course_lib.core.handles import handle_of
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.pipeline import PipelineStage, apply_pipeline, boundary_bytes, split_layers
 from course_lib.parallel.tensor import apply_tp, tp_bytes_per_step
 from course_lib.parallel.zero import apply_zero
-from course_lib import optim
-from course_lib.train import (LedgerProbe, TrainConfig, closing, forward_backward, optimizer_kwargs, run,
-                              train_reference)
+from course_lib.train import LedgerProbe, TrainConfig, closing, forward_backward, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +67,7 @@ def _tc(dp: int, M: int) -> TrainConfig:
     return TrainConfig(steps=STEPS, batch_size=dp * M * B)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(global_batch: int):
     ref = train_reference(CFG, _tc(1, global_batch), model=GPT(CFG).double(), progress=False)
     return ref.losses, {k: p.detach().clone() for k, p in ref.model.named_parameters()}
@@ -129,7 +127,7 @@ def _composed(ctx, combos, references):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(world_size: int):
     combos = COMBOS[world_size]
     batches = {dp * M * B for (_, dp, _), runs in combos.items() for _, _, M, *_ in runs}

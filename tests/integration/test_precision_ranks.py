@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from course_lib import optim
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.memopt import precision as P
-from course_lib.core.model import GPT, get_config
 from course_lib.parallel.zero import ShardedOptimizer
 from course_lib.train import TrainConfig, optimizer_kwargs, run
 
@@ -37,7 +37,8 @@ SCALER = dict(init_scale=2.0 ** 10, growth_interval=2)
 def _grid_skip(ctx):
     """dp × tp = 2 × 2: each rank holds its own parameters; only the rank at (dp 1, tp 1) overflows."""
     mesh = Mesh(ctx.comm, dp=2, tp=2)
-    model = P.apply_precision(torch.nn.Linear(4, 4), mesh, recipe="fp16", scaler=P.DynamicLossScaler(init_scale=2.0 ** 8))
+    model = P.apply_precision(torch.nn.Linear(4, 4), mesh, recipe="fp16",
+                              scaler=P.DynamicLossScaler(init_scale=2.0 ** 8))
     opt = optim.build(model, lr=0.1)
     before = [m.clone() for m in opt.masters]
     for q in model.parameters():
@@ -90,8 +91,8 @@ def _tensor_parallel(ctx):
 
 def _worker(ctx):
     torch.set_num_threads(1)
-    return {"tp": _tensor_parallel(ctx), "grid": _grid_skip(ctx), "voted": _zero(ctx, True), "voted2": _zero(ctx, True, stage=2),
-            "alone": _zero(ctx, False)}
+    return {"tp": _tensor_parallel(ctx), "grid": _grid_skip(ctx), "voted": _zero(ctx, True),
+            "voted2": _zero(ctx, True, stage=2), "alone": _zero(ctx, False)}
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ import math
 import pytest
 import torch
 
+from course_lib import optim
+from course_lib.composer.parallelize import train_parallel
+from course_lib.core.model import get_config
 from course_lib.distributed.collectives import all_reduce_ring, chunk_sizes, ring_all_reduce_bytes
 from course_lib.distributed.launch import LaunchError, launch
 from course_lib.distributed.mesh import Mesh
 from course_lib.memopt import precision as P
 from course_lib.memopt import quantize as Q
-from course_lib.core.model import get_config
 from course_lib.parallel import dp as D
-from course_lib.composer.parallelize import train_parallel
-from course_lib import optim
 from course_lib.train import TrainConfig
 
 pytestmark = pytest.mark.integration

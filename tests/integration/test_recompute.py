@@ -10,14 +10,14 @@ import functools
 import pytest
 import torch
 
+from course_lib.composer.parallelize import train_parallel
+from course_lib.core.model import GPT, get_config
 from course_lib.distributed.launch import launch
 from course_lib.memopt.recompute import CheckpointError, apply_recompute
-from course_lib.core.model import GPT, get_config
 from course_lib.parallel.dp import apply_dp
 from course_lib.parallel.fsdp import apply_fsdp
 from course_lib.parallel.zero import apply_zero
-from course_lib.composer.parallelize import train_parallel
-from course_lib.train import TrainConfig, optimizer_kwargs, train_reference
+from course_lib.train import TrainConfig, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def _train_all(ctx, tc):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(world_size):
     tc = TrainConfig(steps=STEPS, batch_size=2 * world_size)
     return launch(_train_all, world_size, tc, timeout=300), tc

@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
+from course_lib.core.model import get_config
 from course_lib.distributed.launch import LaunchError, launch
 from course_lib.resilience import checkpoint as C
-from course_lib.resilience.references import resumable_worker, run_torchft, run_torchrun, torchft_summary
 from course_lib.resilience.peer import HostMemory, dead_ranks, describe_exit, resilient_worker, run_with_recovery
-from course_lib.core.model import get_config
+from course_lib.resilience.references import resumable_worker, run_torchft, run_torchrun, torchft_summary
 from course_lib.train import TrainConfig
 
 pytestmark = pytest.mark.integration

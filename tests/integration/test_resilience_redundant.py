@@ -8,11 +8,11 @@ import tempfile
 import pytest
 import torch
 
+from course_lib.composer.parallelize import ParallelPlan, parallelize
+from course_lib.core.model import GPT, get_config, param_count
 from course_lib.distributed.launch import LaunchError, RankDied, launch
 from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, get_config, param_count
 from course_lib.parallel.pipeline import split_layers
-from course_lib.composer.parallelize import ParallelPlan, parallelize
 from course_lib.resilience.redundant import GRAD_TAG, REPLICA_TAG, train_redundant
 from course_lib.train import TrainConfig
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.distributed.launch import launch
+from course_lib import optim
 from course_lib.core.model import GPT
+from course_lib.distributed.launch import launch
 from course_lib.parallel.zero import apply_zero
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.references import CONFIG, TRAIN, dcp_worker, reload_worker, resumable_worker
-from course_lib import optim
 from course_lib.train import optimizer_kwargs, run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,19 +7,25 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from course_lib.distributed.launch import LaunchError, launch
-from course_lib.distributed.mesh import Mesh
-from course_lib.core.model import GPT, GPTConfig
-from course_lib.parallel.tensor import apply_tp
+from course_lib.distributed.mesh import Mesh, data_parallel_batches
+from course_lib.parallel.tensor import (
+    CollectiveLog,
+    LayerActivationProbe,
+    apply_tp,
+    layer_activation_bytes,
+    layer_bytes,
+    layer_traffic,
+    sp_layer_bytes,
+    torch_parallelize_blocks,
+    tp_bytes_per_microbatch,
+)
 from course_lib.parallel.zero import apply_zero
-from course_lib.distributed.mesh import data_parallel_batches
-from course_lib.parallel.tensor import (CollectiveLog, LayerActivationProbe, layer_activation_bytes, layer_traffic,
-                                        layer_bytes, sp_layer_bytes, torch_parallelize_blocks, tp_bytes_per_microbatch)
-from course_lib import optim
-from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run,
-                              train_reference)
+from course_lib.train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +37,8 @@ VARIANTS = {"1D": {}, "naive": {"plan": "naive"}, "SP": {"sequence_parallel": Tr
 
 def _reference(cfg, accum_steps=1):
     model = GPT(cfg).double()
-    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
-            steps=1, probes=[GradProbe()])
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())),
+            ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps), steps=1, probes=[GradProbe()])
     return r.losses[0], r["grads"]
 
 
@@ -44,7 +50,8 @@ def _variants(ctx, cfg, ref_grads, accum_steps, names=tuple(VARIANTS)):
         ctx.comm.ledger.reset()
         mem = MemoryProbe(timeline=False)
         with CollectiveLog() as log:
-            r = run(tp, optim.build(tp, **optimizer_kwargs(TrainConfig())), ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
+            r = run(tp, optim.build(tp, **optimizer_kwargs(TrainConfig())),
+                    ShardedBatches(cfg.seq_len, B, accum_steps=accum_steps),
                     steps=1, probes=[GradProbe(), mem, LayerActivationProbe(mem)])
         out[name] = {"loss": r.losses[0], "sent": ctx.comm.ledger.bytes_sent(), "act": r["layer_activations"],
                      "layers": [layer_traffic(ctx.comm.ledger, i) for i in range(cfg.n_layer)],
@@ -121,8 +128,8 @@ def _versus_dtensor(ctx, ref_grads):
     for prepare in (False, True):
         model = torch_parallelize_blocks(GPT(CFG).double(), mesh, prepare_input=prepare)
         with CommDebugMode() as comms:
-            r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, B), steps=1,
-                    probes=[GradProbe()])
+            r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, B),
+                    steps=1, probes=[GradProbe()])
         grads = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in r["grads"].items()}
         out[prepare] = {"counts": {str(k): n for k, n in comms.get_comm_counts().items()},
                         "dgrad": max((grads[k] - g).abs().max().item() for k, g in ref_grads.items())}

@@ -1,12 +1,16 @@
 """transports: every measured path delivers every byte, and nothing (process, port, file descriptor) outlives a
 measurement — after a normal run, after a rank raised, after a rank hung. Timings are not asserted here."""
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import psutil
 import pytest
 import torch
 
 from course_lib import transports as T
-from course_lib.distributed.launch import LaunchError
+from course_lib.distributed import start
+from course_lib.distributed.launch import LaunchError, launch
 from course_lib.transports import measure
 
 pytestmark = pytest.mark.integration
@@ -18,14 +22,28 @@ def _fds() -> int:
     return psutil.Process().num_fds()
 
 
-def test_every_path_delivers_every_byte_intact(no_leaks):
-    fds = _fds()
+def _shm_names() -> set[str]:
+    where = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return {p.name for p in where.glob("course-shm-*")}
+
+
+@pytest.fixture(params=["fork", "forkserver", "spawn"])
+def start_method(request, monkeypatch):
+    """Run under each way of starting ranks: the connection, buffer and pipes are made inside the ranks."""
+    monkeypatch.setenv(start.ENV, request.param)
+    if request.param != "fork":
+        launch(lambda ctx: None, 1, timeout=120)   # start the fork server (and resource tracker) before counting fds
+    return request.param
+
+
+def test_every_path_delivers_every_byte_intact(start_method, no_leaks):
+    fds, names = _fds(), _shm_names()
     m = T.measure_transports(ODD_SIZES, verify=True, repeats=2, warmup=1, cpu_messages=2, cpu_rounds=3)
     # every message the receiver got was compared with what was sent: per repeat, size and path one untimed warm-up
     # message and `inner` timed ones; then 2 messages per path in each of the 3 CPU rounds
     per_rep = sum(1 + measure._inner(n) for n in ODD_SIZES)
     assert m.verified == {p: 3 * per_rep + 3 * 2 for p in T.PATHS}
-    assert _fds() == fds
+    assert _fds() == fds and _shm_names() == names
 
 
 def test_measurement_has_a_positive_time_per_repeat_and_size_and_cpu_per_round_for_both_sides(no_leaks):
@@ -52,11 +70,14 @@ def test_a_subset_of_paths_runs_alone(no_leaks):
     assert m.verified["shm_write"] == 2 + measure._inner(64) + measure._inner(4096) + 2
 
 
-def test_a_failing_receiver_raises_and_leaves_no_process_port_or_fd(no_leaks):
-    fds = _fds()
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_failing_receiver_raises_and_leaves_no_process_port_or_fd(method, monkeypatch, no_leaks):
+    monkeypatch.setenv(start.ENV, method)
+    launch(lambda ctx: None, 1, timeout=120)
+    fds, names = _fds(), _shm_names()
     with pytest.raises(LaunchError, match="injected fault"):
         T.measure_transports([8, 4096], repeats=1, fault="raise", timeout=20)
-    assert _fds() == fds
+    assert _fds() == fds and _shm_names() == names
 
 
 def test_a_hung_receiver_times_out_and_leaves_no_process_port_or_fd(no_leaks):

@@ -11,18 +11,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.core.data import ShardedBatches
+from course_lib import optim
+from course_lib.core.model import GPT, GPTConfig, param_count
 from course_lib.distributed.collectives import ring_all_reduce_bytes
 from course_lib.distributed.flat import bucket_params, padded_numel
 from course_lib.distributed.launch import launch
-from course_lib.memory import MemoryTracker
-from course_lib.core.model import GPT, GPTConfig, param_count
-from course_lib.parallel.zero import apply_zero
 from course_lib.distributed.mesh import data_parallel_batches
 from course_lib.parallel.fsdp import FSDP
-from course_lib.parallel.zero import ShardedOptimizer
-from course_lib import optim
-from course_lib.train import LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
+from course_lib.parallel.zero import ShardedOptimizer, apply_zero
+from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +92,8 @@ def _gpt_worker(ctx, cfg, tc):
 
 @pytest.fixture(scope="module")
 def odd_reference():
-    return {n: train_reference(ODD, TrainConfig(steps=STEPS, batch_size=2 * n, eps=EPS), progress=False) for n in (2, 3, 4)}
+    return {n: train_reference(ODD, TrainConfig(steps=STEPS, batch_size=2 * n, eps=EPS), progress=False)
+            for n in (2, 3, 4)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

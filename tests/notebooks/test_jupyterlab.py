@@ -16,12 +16,12 @@ LAB_SETTINGS = Path(sys.prefix, "share", "jupyter", "lab")
 
 
 def _course_kernelspec() -> dict:
-    """What JupyterLab writes as a notebook's kernelspec once the course kernel starts (name, display_name,
-    language of the installed spec)."""
-    from jupyter_client.kernelspec import KernelSpecManager
-    from course_lib import COURSE_KERNEL
-    spec = KernelSpecManager().get_kernel_spec(COURSE_KERNEL)
-    return {"name": COURSE_KERNEL, "display_name": spec.display_name, "language": spec.language}
+    """What JupyterLab writes as a notebook's kernelspec once its kernel starts: ipykernel's own python3 (name,
+    display_name, language of the spec ipykernel ships, which is what every Jupyter offers)."""
+    from ipykernel.kernelspec import get_kernel_dict
+    from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
+    spec = get_kernel_dict()
+    return {"name": NATIVE_KERNEL_NAME, "display_name": spec["display_name"], "language": spec["language"]}
 
 
 @pytest.mark.parametrize("path", ALL, ids=rel)

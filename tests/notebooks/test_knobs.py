@@ -125,7 +125,8 @@ def test_quick_false_changes_what_the_notebook_runs(path, runs):
     assert changed, (f"{rel(path)}: with QUICK = False papermill's run derives the same values as with QUICK = True "
                      f"(cell {cells[-1][0]} reads QUICK but nothing in UPPERCASE changed): derive the QUICK-dependent "
                      f"sizes there, from the knobs")
-    assert NO_EFFECT not in _knob_line(path), f"{rel(path)}: the QUICK line says '{NO_EFFECT}', but it changes {changed}"
+    assert NO_EFFECT not in _knob_line(path), (f"{rel(path)}: the QUICK line says '{NO_EFFECT}', "
+                                               f"but it changes {changed}")
 
 
 @pytest.mark.notebooks

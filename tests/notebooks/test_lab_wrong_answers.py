@@ -207,7 +207,8 @@ WARMUP = "warmup = min(S - 1 - r, M)"
 STEADY = 'ops += [Op("F", r, warmup + i), Op("B", r, i)]'
 LAB05_WRONG = {
     "warm_up_one_forward_too_many": ([(WARMUP, "warmup = min(S - r, M)")], lab05.check_in_flight,
-                                     ("✘ in_flight", "rank 0 runs 2 forwards before its first backward", "one too many")),
+                                     ("✘ in_flight", "rank 0 runs 2 forwards before its first backward",
+                                      "one too many")),
     "warm_up_one_forward_too_few": ([(WARMUP, "warmup = max(0, min(S - 2 - r, M))")], lab05.check_bubble,
                                     ("✘ bubble", "expected (S−1)/(M+S−1)", "one too few")),
     "warm_up_not_clamped_to_m": ([(WARMUP, "warmup = S - 1 - r")], lab05.check_validates,
@@ -240,14 +241,16 @@ def test_lab05_wrong_schedule_fails_with_the_rule_it_breaks(mutations, check, hi
 
 
 LAB06 = _lab("lab06_row_parallel.ipynb", ("f", "RowParallelLinear"))
-F_BACKWARD = '        out = grad.contiguous().clone()\n        all_reduce_ring(ctx.comm, out, tag="f")\n        return out, None'
+F_BACKWARD = ('        out = grad.contiguous().clone()\n        all_reduce_ring(ctx.comm, out, tag="f")\n'
+              '        return out, None')
 ROW_OUT = "return g.apply(partial, self.comm) + self.bias"
 LAB06_WRONG = {
     "f_backward_without_all_reduce": ([(F_BACKWARD, "        return grad, None")], "f_and_g",
                                       ("✘ f_and_g", "f's gradient is off", "f's backward all-reduces")),
     "g_backward_all_reduces_too": (
         [("        out = x.contiguous().clone()\n        all_reduce_ring(comm, out, tag=\"g\")\n        return out",
-          "        ctx.comm = comm\n        out = x.contiguous().clone()\n        all_reduce_ring(comm, out, tag=\"g\")\n"
+          "        ctx.comm = comm\n        out = x.contiguous().clone()\n"
+          "        all_reduce_ring(comm, out, tag=\"g\")\n"
           "        return out"),
          ("    def backward(ctx, grad):\n        ### BEGIN SOLUTION\n        return grad, None",
           "    def backward(ctx, grad):\n        ### BEGIN SOLUTION\n        out = grad.contiguous().clone()\n"
@@ -289,12 +292,14 @@ LAB07 = _lab("lab07_prefetch_hooks.ipynb", ("PrefetchOffload",))
 PREFETCH = "            self.fetch(nxt, background=True)\n"
 LAB07_WRONG = {
     "the_head_never_starts_the_top_layers_prefetch": ([("else max(self.by_layer, default=-1)", "else -1")],
-                                                      lab07.check_peak, ("✘ peak", "layer(s) [3] were fetched only when",
-                                                                         "start the top layer's prefetch")),
+                                                      lab07.check_peak,
+                                                      ("✘ peak", "layer(s) [3] were fetched only when",
+                                                       "start the top layer's prefetch")),
     "no_prefetch_at_all": ([(PREFETCH, "            pass\n")], lab07.check_peak,
                            ("✘ peak", "[3, 2, 1, 0]", "no layer was prefetched")),
     "prefetch_two_layers_ahead": (
-        [(PREFETCH, PREFETCH + "            if nxt >= 1 and nxt - 1 not in self.inflight and self.by_layer.get(nxt - 1):\n"
+        [(PREFETCH, PREFETCH + "            if nxt >= 1 and nxt - 1 not in self.inflight"
+                               " and self.by_layer.get(nxt - 1):\n"
                                "                self.fetch(nxt - 1, background=True)\n")],
         lab07.check_peak, ("✘ peak", "prefetch one layer ahead only")),
     "a_prefetch_not_waited_for": ([("                fut.result()\n", "                pass\n")], lab07.check_gradients,
@@ -307,7 +312,8 @@ LAB07_WRONG = {
           "        self.by_layer[self.layer].append(stash)")], lab07.check_bytes,
         ("✘ bytes", "came back", "remember a stash only when swap.stash says it is new")),
     "prefetched_and_fetched_again": ([("                fut.result()\n",
-                                       "                fut.result()\n                self.fetch(layer, background=False)\n")],
+                                       "                fut.result()\n"
+                                       "                self.fetch(layer, background=False)\n")],
                                      lab07.check_bytes, ("✘ bytes", "came back more than once", "never both")),
     "unpack_returns_the_note": ([("return self.swap.view(x) if isinstance(x, _Packed) else x", "return x")],
                                 lab07.check_gradients, ("✘ gradients", "swap.view(note) for a note")),
@@ -372,7 +378,8 @@ def test_lab08_wrong_policy_bytes_or_segments_fail_with_their_cause(mutations, c
 
 LAB09 = _lab("lab09_loss_scaler_int8.ipynb", ("LossScaler", "quantize"))
 LAB09_WRONG = {
-    "counter_not_reset_on_overflow": ([("            self.growth_tracker = 0\n            return", "            return")],
+    "counter_not_reset_on_overflow": ([("            self.growth_tracker = 0\n            return",
+                                        "            return")],
                                       "scaler", ("✘ scaler_trajectory", "reset it to 0 on every overflow")),
     "grows_one_step_late": ([("if self.growth_tracker == self.growth_interval:",
                               "if self.growth_tracker > self.growth_interval:")], "scaler",
@@ -423,7 +430,8 @@ def test_lab09_wrong_scaler_or_quantizer_fails_with_its_cause(mutations, check, 
 
 
 LAB10 = _lab("lab10_atomic_checkpoint.ipynb", ("atomic_write", "save_checkpoint", "load_latest"))
-FSYNC_DIR = "    fd = os.open(path.parent, os.O_RDONLY)\n    try:\n        os.fsync(fd)\n    finally:\n        os.close(fd)\n"
+FSYNC_DIR = ("    fd = os.open(path.parent, os.O_RDONLY)\n    try:\n        os.fsync(fd)\n"
+             "    finally:\n        os.close(fd)\n")
 LAB10_WRONG = {
     "temporary_file_outside_the_directory": (
         [('tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")', "tmp = Path(tempfile.mkdtemp()) / path.name")],
@@ -432,23 +440,24 @@ LAB10_WRONG = {
                              ("✘ atomic_write", "no fsync of the file before the rename")),
     "no_fsync_of_the_directory": ([(FSYNC_DIR + "    ### END SOLUTION", "    ### END SOLUTION")], "write",
                                   ("✘ atomic_write", "no fsync of the directory after the rename")),
-    "temporary_left_after_a_failure": ([("        tmp.unlink(missing_ok=True)\n        raise", "        raise")], "write",
-                                       ("✘ atomic_write", "remove the temporary file when anything fails")),
-    "failure_swallowed": ([("        tmp.unlink(missing_ok=True)\n        raise", "        tmp.unlink(missing_ok=True)\n"
-                                                                            "        return")], "write",
+    "temporary_left_after_a_failure": ([("        tmp.unlink(missing_ok=True)\n        raise", "        raise")],
+                                       "write", ("✘ atomic_write", "remove the temporary file when anything fails")),
+    "failure_swallowed": ([("        tmp.unlink(missing_ok=True)\n        raise",
+                            "        tmp.unlink(missing_ok=True)\n        return")], "write",
                           ("✘ atomic_write", "let the OSError propagate")),
     "written_in_place_without_staging": ([('    staging = root / f".tmp-{final.name}"', "    staging = final"),
                                           ("        os.replace(staging, final)\n", "")], "save",
                                          ("✘ save_checkpoint", "not published by one rename")),
-    "staging_left_after_a_failure": ([("        shutil.rmtree(staging, ignore_errors=True)\n        raise", "        raise")],
+    "staging_left_after_a_failure": ([("        shutil.rmtree(staging, ignore_errors=True)\n        raise",
+                                       "        raise")],
                                      "save", ("✘ save_checkpoint", "remove the staging directory")),
     "root_not_fsynced": ([("    fd = os.open(root, os.O_RDONLY)\n    try:\n        os.fsync(fd)\n    finally:\n"
                            "        os.close(fd)\n    return final", "    return final")], "save",
                          ("✘ save_checkpoint", "no fsync of the root directory")),
     "staging_directories_loaded": ([('re.fullmatch(r"step_\\d{8}", p.name)', 're.search(r"step_\\d{8}", p.name)')],
                                    "load", ("✘ load_latest", ".tmp-step_00000009", "re.fullmatch, not search")),
-    "bad_manifest_json_not_caught": ([('        except ValueError:\n            skipped.append((name, "MANIFEST.json is '
-                                       'not valid JSON"))\n            continue\n', "")], "load",
+    "bad_manifest_json_not_caught": ([('        except ValueError:\n            skipped.append((name, "MANIFEST.json '
+                                       'is not valid JSON"))\n            continue\n', "")], "load",
                                      ("✘ load_latest", "raised JSONDecodeError", "catch it, skip the checkpoint")),
     "missing_manifest_not_caught": ([('        except FileNotFoundError:\n            skipped.append((name, "no '
                                       'MANIFEST.json: the save never finished"))\n            continue\n', "")], "load",
@@ -489,7 +498,8 @@ LAB11_WRONG = {
                            ("✘ ring_moves", "of the keys (fair share", "give every node `vnodes` points")),
     "hash_mod_n": ([(LOOKUP, "        return self.nodes[K.stable_hash(key) % len(self.nodes)]")],
                    ("✘ ring_moves", "keys changed owner", "not a hash mod the number of nodes")),
-    "points_not_sorted": ([("points = sorted((K.stable_hash(node, v), node)", "points = list((K.stable_hash(node, v), node)")],
+    "points_not_sorted": ([("points = sorted((K.stable_hash(node, v), node)",
+                            "points = list((K.stable_hash(node, v), node)")],
                           ("✘ ring_moves", "points are not sorted")),
     "points_not_depending_on_the_node": ([("K.stable_hash(node, v)", "K.stable_hash(v)")],
                                          ("✘ ring_moves", "every key went to node 0", "depend on its node")),

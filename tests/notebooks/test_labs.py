@@ -20,7 +20,8 @@ def test_labs_are_up_to_date_with_solutions():
 
 
 def test_clear_solutions_keeps_indent_and_counts_lines():
-    src = "def f(x):\n    '''doc'''\n    ### BEGIN SOLUTION\n    y = x + 1\n    # a comment\n\n    return y\n    ### END SOLUTION\n"
+    src = ("def f(x):\n    '''doc'''\n    ### BEGIN SOLUTION\n    y = x + 1\n    # a comment\n\n    return y\n"
+           "    ### END SOLUTION\n")
     out, n = make_labs.clear_solutions(src, "t")
     assert n == 1
     assert out == "def f(x):\n    '''doc'''\n    # YOUR CODE HERE (≈2 lines)\n    raise NotImplementedError()\n"

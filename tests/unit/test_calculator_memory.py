@@ -20,8 +20,8 @@ def test_parameter_count_matches_narayanan_closed_form():
 
 
 def test_model_states_follow_zero_stages_and_equal_the_techniques_formula():
-    from course_lib.parallel.zero import model_state_bytes
     from course_lib.calculator.config import RECIPES
+    from course_lib.parallel.zero import model_state_bytes
     psi, n = 1_000_003, 8
     for stage, want in ((0, 16 * psi), (1, 4 * psi + 12 * psi // n), (2, 2 * psi + (2 * psi) // n + 12 * psi // n),
                         (3, 2 * psi // n + 2 * psi // n + 12 * psi // n)):

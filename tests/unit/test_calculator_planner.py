@@ -27,7 +27,7 @@ def test_a_model_that_fits_nowhere_says_what_to_change():
     huge = Decoder("GPT 1T", 128, 25600, 160, 51200, 2048)
     p = plan(huge, NODE, batch=16, world=16)
     with pytest.raises(CalculatorError, match="fits nowhere.*use more devices"):
-        p.best
+        _ = p.best
 
 
 def test_a_world_no_mesh_divides_is_refused():
@@ -105,6 +105,7 @@ def test_the_decision_flow_picture_draws_each_answer_and_fills_what_the_best_opt
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from course_lib.calculator import decision_flow
     from course_lib.capstone.plots import plot_decision_flow
     flow = decision_flow(plan(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency()))

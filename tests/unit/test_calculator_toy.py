@@ -5,9 +5,9 @@ import pytest
 
 from course_lib.calculator import toy
 from course_lib.calculator.step_time import pipeline_factor
+from course_lib.composer.parallelize import ParallelPlan
 from course_lib.core.costmodel import Link
 from course_lib.core.model import get_config
-from course_lib.composer.parallelize import ParallelPlan
 from course_lib.train import TrainConfig
 
 CFG = get_config("nano", n_layer=4, n_head=4, d_model=32, seq_len=16)

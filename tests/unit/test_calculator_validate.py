@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from course_lib.calculator import CalculatorError, Cluster, Decoder, Job, Prices, memory_per_device, plan, validate
-from course_lib.core.costmodel import Link
 from course_lib.calculator.step_time import Efficiency, step_time
+from course_lib.core.costmodel import Link
 
 GPT = Decoder("GPT 1.7B", 24, 2304, 24, 51200, 2048)
 MOE = Decoder("MoE", 24, 2304, 24, 51200, 2048, n_expert=8, top_k=2)

@@ -3,9 +3,19 @@ import math
 import numpy as np
 import pytest
 
-from course_lib.core.costmodel import (PRESETS, Link, Stage, bus_bandwidth, fit_alpha_beta, get_link,
-                                  naive_all_reduce_time, pipelined_time, rhd_all_reduce_time, ring_all_gather_time,
-                                  ring_all_reduce_time)
+from course_lib.core.costmodel import (
+    PRESETS,
+    Link,
+    Stage,
+    bus_bandwidth,
+    fit_alpha_beta,
+    get_link,
+    naive_all_reduce_time,
+    pipelined_time,
+    rhd_all_reduce_time,
+    ring_all_gather_time,
+    ring_all_reduce_time,
+)
 
 
 def test_fit_recovers_known_alpha_and_beta():

@@ -7,9 +7,9 @@ import stat
 import pytest
 import torch
 
+from course_lib.core.model import GPT, block_activation_bytes, get_config
 from course_lib.memopt.offload import OffloadDiskError
 from course_lib.memopt.offload import flashneuron as FN
-from course_lib.core.model import GPT, block_activation_bytes, get_config
 
 CFG = get_config("nano")
 B = 2

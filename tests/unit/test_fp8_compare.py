@@ -3,11 +3,10 @@ only (SEED = 3 and 5 failed on an AMD EPYC). It now compares what is exact (memo
 same input and output gradient, within 2·γ_(K+4)·(|A|·|B|)), and this test holds that bound at eight seeds, so a
 seed-dependent margin cannot come back unseen without running the whole notebook eight times."""
 import pytest
-import torch
 
 from course_lib.core.data import ShardedBatches
-from course_lib.memopt import fp8_compare as C8
 from course_lib.core.model import GPT, get_config
+from course_lib.memopt import fp8_compare as C8
 
 pytest.importorskip("torchao")
 

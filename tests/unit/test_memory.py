@@ -5,12 +5,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from course_lib.memory import (CATEGORIES, MemoryTracker, SimulatedAccelerator, SimulatedOutOfMemoryError,
-                               alloc_category, carry_tracking, fmt_bytes, parse_bytes, placed, register_category,
-                               saved_tensors_hooks_over)
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config
-from course_lib import optim
+from course_lib.memory import (
+    CATEGORIES,
+    MemoryTracker,
+    SimulatedAccelerator,
+    SimulatedOutOfMemoryError,
+    alloc_category,
+    carry_tracking,
+    fmt_bytes,
+    parse_bytes,
+    placed,
+    register_category,
+    saved_tensors_hooks_over,
+)
 from course_lib.train import TrainConfig, optimizer_kwargs, profile_training_memory
 
 
@@ -27,7 +37,8 @@ def test_parameters_count_numel_times_element_size(dtype):
     m = GPT("nano").to(dtype)
     with MemoryTracker().watch(m) as mem:
         pass
-    assert mem.current["parameters"] == sum(p.numel() for p in m.parameters()) * torch.tensor([], dtype=dtype).element_size()
+    assert mem.current["parameters"] == (sum(p.numel() for p in m.parameters())
+                                         * torch.tensor([], dtype=dtype).element_size())
 
 
 def test_gradients_and_adamw_state_are_exact():
@@ -249,7 +260,8 @@ def test_agrees_with_torch_memtracker_on_one_training_step():
         ours = {k: (v[0], v[1]) for k, v in mem._live.items() if isinstance(k, int)}
         loss.backward()
         opt.step()
-    snap = {str(k).split(".")[-1].lower(): v for k, v in theirs.get_tracker_snapshot("current")[torch.device("cpu")].items()}
+    snap = {str(k).split(".")[-1].lower(): v
+            for k, v in theirs.get_tracker_snapshot("current")[torch.device("cpu")].items()}
     params = list(m.parameters())
     psi = sum(p.numel() for p in params)
     assert snap["param"] == mem.current["parameters"] == 4 * psi
@@ -286,7 +298,8 @@ def test_a_graph_dropped_without_backward_frees_its_activations():
         del logits, loss                           # no backward: autograd lets go of everything it saved
         # what is left is the model's buffers and the token ids, which the test still holds
         assert mem.current["activations"] == 0
-        assert mem.current["other"] == sum(b.numel() * b.element_size() for b in m.buffers()) + 8 * (x.numel() + y.numel())
+        assert mem.current["other"] == (sum(b.numel() * b.element_size() for b in m.buffers())
+                                        + 8 * (x.numel() + y.numel()))
 
 
 def test_batch_of_one_gives_two_separate_tensors():

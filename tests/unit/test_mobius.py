@@ -4,10 +4,10 @@ gradients, the device peak, the bytes per step and the partition search against 
 import pytest
 import torch
 
-from course_lib.memory import SimulatedAccelerator, SimulatedOutOfMemoryError
+from course_lib.core.model import GPT, GPTConfig
 from course_lib.memopt.offload import mobius as MB
 from course_lib.memopt.offload import mobius_cluster as MC
-from course_lib.core.model import GPT, GPTConfig
+from course_lib.memory import SimulatedAccelerator, SimulatedOutOfMemoryError
 
 CFG = GPTConfig(vocab_size=2048, seq_len=16, n_layer=4, n_head=2, d_model=32)   # embedding and head ≫ a block
 B, M = 1, 2
@@ -104,7 +104,8 @@ def test_mappings_place_adjacent_stages_and_contention_never_speeds_up():
     assert all(topo.switch(a) == topo.switch(b) for a, b in zip(seq[0::2], seq[1::2]))
     assert all(topo.switch(a) != topo.switch(b) for a, b in zip(cross, cross[1:]))
     P, f = [1e9] * 16, [5e-3] * 16
-    alone = MC.mobius_cluster_time(P, f, [2 * x for x in f], 4, MC.Topology(8, 1), MC.sequential_mapping(16, MC.Topology(8, 1)))
+    alone = MC.mobius_cluster_time(P, f, [2 * x for x in f], 4, MC.Topology(8, 1),
+                                   MC.sequential_mapping(16, MC.Topology(8, 1)))
     shared = MC.mobius_cluster_time(P, f, [2 * x for x in f], 4, topo, MC.sequential_mapping(16, topo))
     assert shared["seconds"] >= alone["seconds"]
 

@@ -2,8 +2,18 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from course_lib.core.model import (GPT, PRESETS, TP_PLAN, GPTConfig, count_parameters, get_config, matmul_param_count,
-                              param_count, stage_bounds, train_flops_per_token)
+from course_lib.core.model import (
+    GPT,
+    PRESETS,
+    TP_PLAN,
+    GPTConfig,
+    count_parameters,
+    get_config,
+    matmul_param_count,
+    param_count,
+    stage_bounds,
+    train_flops_per_token,
+)
 
 VARIANTS = [get_config("nano", tie_weights=True), get_config("nano", bias=False),
             get_config("micro", mlp_ratio=2, vocab_size=100, seq_len=50, n_head=8)]
@@ -49,7 +59,7 @@ def test_unknown_preset_lists_the_choices():
 
 def test_init_is_deterministic_from_the_seed():
     a, b, c = GPT("nano", seed=1), GPT("nano", seed=1), GPT("nano", seed=2)
-    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (n, p), q, _r in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(p, q), n
     assert any(not torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters()))
 
@@ -60,7 +70,7 @@ def test_a_tied_weight_gets_the_sum_of_both_uses_gradients():
     tied = GPT(get_config("nano", tie_weights=True), seed=3)
     untied = GPT("nano", seed=3)
     with torch.no_grad():
-        for (name, p), q in zip(untied.named_parameters(), untied.parameters()):
+        for (name, _p), q in zip(untied.named_parameters(), untied.parameters()):
             if name != "lm_head.weight":
                 q.copy_(dict(tied.named_parameters())[name])
         untied.lm_head.weight.copy_(tied.wte.weight)

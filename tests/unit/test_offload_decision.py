@@ -31,7 +31,8 @@ def test_flashneuron_moves_only_what_does_not_fit_and_a_faster_disk_never_hurts(
     times = [r["FlashNeuron"]["seconds"] for r in rows]
     assert times == sorted(times, reverse=True)
     assert rows[-1]["FlashNeuron"]["seconds"] == pytest.approx(rows[-1]["none"]["seconds"], rel=1e-12)
-    assert rows[0]["FlashNeuron"]["device"] == pytest.approx(16e9) and rows[0]["vDNN"]["host"] == rows[0]["FlashNeuron"]["disk"]
+    assert (rows[0]["FlashNeuron"]["device"] == pytest.approx(16e9)
+            and rows[0]["vDNN"]["host"] == rows[0]["FlashNeuron"]["disk"])
 
 
 def test_best_option_leaves_out_what_it_is_told_to():

@@ -8,9 +8,9 @@ import torch
 
 from course_lib.core.costmodel import get_link
 from course_lib.core.data import ShardedBatches
-from course_lib.memory import MemoryTracker, SimulatedOutOfMemoryError
-from course_lib.memopt import swap_planner as SP
 from course_lib.core.model import GPT, get_config
+from course_lib.memopt import swap_planner as SP
+from course_lib.memory import MemoryTracker, SimulatedOutOfMemoryError
 
 torch.set_num_threads(1)
 CFG = get_config("nano", n_layer=3)

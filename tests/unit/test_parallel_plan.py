@@ -26,7 +26,7 @@ CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
     (ParallelPlan(dp=2, zero=3, recompute="selective"), 2, 4, r"FSDP's gather hooks would fire again"),
     (ParallelPlan(dp=2, zero=3, offload_activations=True), 2, 4, r"FSDP's gathered weights"),
     (ParallelPlan(tp=2, sequence_parallel=True, offload_activations=True), 2, 4, r"own saved-tensor hooks"),
-    (ParallelPlan(dp=2, cp=2, tp=2), 8, 4, r"with tp=2 the TP layers"),
+    (ParallelPlan(cp=3), 3, 4, r"zigzag split cuts the sequence into 6 equal chunks .* T=16 is not a multiple of 6"),
     (ParallelPlan(pp=2, cp=2, microbatches=2, recompute="full"), 4, 4, r"around ring attention inside a stage"),
     (ParallelPlan(pp=2, layers=(4,), microbatches=2), 2, 4, r"layers"),
     (ParallelPlan(layers=(2, 2)), 1, 4, r"layers=\(2, 2\) splits the blocks over pipeline stages, but pp=1"),
@@ -35,6 +35,45 @@ CFG = get_config("nano", n_layer=4, n_head=4, seq_len=16)
 def test_a_plan_that_cannot_work_is_refused_with_the_fix(plan, world, batch, match):
     with pytest.raises(PlanError, match=match):
         plan.check(CFG, world, batch_size=batch)
+
+
+MOE = CFG.replace(n_expert=4, top_k=2)
+
+
+@pytest.mark.parametrize("plan, world, match", [
+    (ParallelPlan(dp=2, tp=2, sequence_parallel=True, recompute="full"), 4,
+     r"with sequence parallelism and experts: the replay's collectives in MoE blocks"),
+    (ParallelPlan(dp=4, ep=2, recompute="full"), 4, r"repeat each MoE layer's all-to-all"),
+    (ParallelPlan(dp=4, ep=2, zero=3), 4, r"FSDP and optimizer offload over those two groups are not built"),
+    (ParallelPlan(dp=2, zero=2, offload_optimizer="host", precision="bf16"), 2,
+     r"zero=2, offload_optimizer='host' with a mixture of experts"),
+    (ParallelPlan(dp=3, ep=3), 3, r"n_expert=4 does not split over ep=3; use an ep that divides it"),
+])
+def test_an_moe_plan_that_cannot_work_is_refused_with_the_fix(plan, world, match):
+    with pytest.raises(PlanError, match=match):
+        plan.check(MOE, world, batch_size=4 * plan.dp)
+
+
+@pytest.mark.parametrize("plan, world", [
+    (ParallelPlan(dp=4, ep=2, tp=2), 8), (ParallelPlan(pp=2, dp=4, ep=4, microbatches=2), 8),
+    (ParallelPlan(dp=4, ep=2, cp=2), 8), (ParallelPlan(pp=2, dp=2, ep=2, tp=2, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=2, ep=2, cp=2, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=4, ep=2, zero=1, microbatches=2), 8),
+    (ParallelPlan(pp=2, dp=2, ep=2, tp=2, zero=1, sequence_parallel=True, microbatches=2), 8),
+])
+def test_experts_compose_with_tp_pp_and_cp(plan, world):
+    assert plan.check(MOE, world, batch_size=4 * plan.dp) is plan
+
+
+def test_a_capacity_factor_that_keeps_no_token_is_refused_when_the_config_is_made():
+    with pytest.raises(ValueError, match=r"capacity_factor must be > 0"):
+        CFG.replace(n_expert=4, capacity_factor=0.0)
+
+
+def test_sequence_parallel_under_context_parallelism_needs_tp_to_divide_each_cp_ranks_tokens():
+    with pytest.raises(PlanError, match=r"splits each cp rank's T/cp = 6 tokens over tp=4; use a seq_len that is a "
+                                        r"multiple of cp·tp"):
+        ParallelPlan(cp=4, tp=4, sequence_parallel=True).check(CFG.replace(seq_len=24), 16)
 
 
 def test_sequence_parallel_needs_tp_to_divide_the_sequence():
@@ -70,6 +109,7 @@ def test_a_field_out_of_range_is_refused_when_the_plan_is_made(field, value, mat
     (ParallelPlan(dp=3, zero=3, fsdp_replicate=64), 3),
     (ParallelPlan(pp=2, dp=2, cp=2, zero=1, microbatches=2, schedule="zb_h1"), 8),
     (ParallelPlan(pp=2, dp=2, microbatches=2, dp_kind="overlap", layers=[3, 1]), 4),
+    (ParallelPlan(pp=2, dp=2, cp=2, tp=2, microbatches=2, zero=1, sequence_parallel=True), 16),
 ])
 def test_plans_the_course_builds_pass_the_check(plan, world):
     assert plan.check(CFG, world, batch_size=16 if plan.dp != 3 else 12) is plan

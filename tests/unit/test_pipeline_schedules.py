@@ -6,8 +6,20 @@ from fractions import Fraction
 
 import pytest
 
-from course_lib.parallel.pipeline import (GENERATORS, Op, ScheduleError, bubble_formula, bubble_fraction, gpipe,
-                                          in_flight, make_schedule, one_f_one_b, peak_bytes, simulate, validate)
+from course_lib.parallel.pipeline import (
+    GENERATORS,
+    Op,
+    ScheduleError,
+    bubble_formula,
+    bubble_fraction,
+    gpipe,
+    in_flight,
+    make_schedule,
+    one_f_one_b,
+    peak_bytes,
+    simulate,
+    validate,
+)
 from course_lib.parallel.pipeline.schedules import Schedule
 
 SHAPES = [(S, M) for S in range(1, 7) for M in range(1, 3 * S + 2)]

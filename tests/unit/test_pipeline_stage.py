@@ -5,10 +5,17 @@ and every bad pipeline shape is one ValueError that names the fix."""
 import pytest
 import torch
 
-from course_lib.memory import MemoryTracker
 from course_lib.core.model import GPT, activation_bytes, get_config
-from course_lib.parallel.pipeline import (PipelineStage, boundary_bytes, defer_weight_grads, plan_pipeline,
-                                          run_weight_grads, split_layers, stage_activation_bytes)
+from course_lib.memory import MemoryTracker
+from course_lib.parallel.pipeline import (
+    PipelineStage,
+    boundary_bytes,
+    defer_weight_grads,
+    plan_pipeline,
+    run_weight_grads,
+    split_layers,
+    stage_activation_bytes,
+)
 
 CFG = get_config("nano", n_layer=6, seq_len=16)
 

@@ -2,9 +2,8 @@
 redraws it in place."""
 from types import SimpleNamespace
 
-import pytest
-
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

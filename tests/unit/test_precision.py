@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from course_lib.core.data import ShardedBatches
-from course_lib.memopt import precision as P
-from course_lib.core.model import GPT, get_config
 from course_lib import optim
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
+from course_lib.memopt import precision as P
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 CFG = get_config("nano")
@@ -40,7 +40,8 @@ def test_the_layouts_give_the_standard_values():
 
 def _awkward_float32s(n=100_000, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-160, 130, (n,), generator=g).double())
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-160, 130, (n,), generator=g).double())
     edges = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 65504, 65519.99, 65520, 448, 464, 465, 57344,
                           61439, 61440, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25, 2.0 ** -149, 3.0e38])
     return torch.cat([x, edges]).float()
@@ -184,7 +185,8 @@ def test_an_overflowing_step_is_skipped_and_the_scale_halves():
 
 def test_without_loss_scaling_fp16_activation_gradients_of_a_trained_model_underflow_and_with_it_none_do():
     model = GPT(CFG)
-    run(model, optim.build(model, **optimizer_kwargs(TrainConfig(batch_size=8))), ShardedBatches(CFG.seq_len, 8), steps=80)
+    run(model, optim.build(model, **optimizer_kwargs(TrainConfig(batch_size=8))), ShardedBatches(CFG.seq_len, 8),
+        steps=80)
     x, y = ShardedBatches(CFG.seq_len, 32, seed=99).get(0)
     g32 = P.backward_gradients(model, x, y)
     half = copy.deepcopy(model).half()           # the bare cast: apply_precision would add its loss scale

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from course_lib.core.data import ShardedBatches
-from course_lib.memopt import quantize as Q
-from course_lib.core.model import GPT, get_config
 from course_lib import optim
+from course_lib.core.data import ShardedBatches
+from course_lib.core.model import GPT, get_config
+from course_lib.memopt import quantize as Q
 from course_lib.train import MemoryProbe, TrainConfig, optimizer_kwargs, run
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
@@ -147,7 +147,8 @@ def test_adam8bit_state_is_exactly_two_bytes_per_parameter_plus_eight_per_block(
     tc = TrainConfig(batch_size=8)
     for B in (2048, 256):
         probe = MemoryProbe(timeline=False)
-        _, model, _ = _train(lambda ps: Q.Adam8bit(ps, block_size=B, **optimizer_kwargs(tc)), steps=2, probe=probe)
+        _, model, _ = _train(lambda ps, B=B: Q.Adam8bit(ps, block_size=B, **optimizer_kwargs(tc)), steps=2,
+                             probe=probe)
         numels = [p.numel() for p in model.parameters()]
         assert probe.after[-1]["optimizer"] == Q.adam8bit_state_bytes(numels, B) == \
             2 * sum(numels) + 8 * sum(math.ceil(n / B) for n in numels)

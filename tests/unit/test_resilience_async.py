@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.async_ckpt import CheckpointProbe
-from course_lib import optim
 from course_lib.train import Probe, TrainConfig, optimizer_kwargs, run
 
 CFG = get_config("nano")

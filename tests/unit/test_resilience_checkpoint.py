@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
 from course_lib.resilience import checkpoint as C
 from course_lib.resilience.state import ResumedBatches, training_state
-from course_lib import optim
 from course_lib.train import TrainConfig, optimizer_kwargs, run
 
 ROOT = Path(__file__).resolve().parents[2]

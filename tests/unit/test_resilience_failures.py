@@ -7,13 +7,22 @@ import math
 import numpy as np
 import pytest
 
-from course_lib.resilience.failures import best_interval, daly_interval, expected_goodput, expected_time, \
-    simulate_goodput, young_interval
+from course_lib.resilience.failures import (
+    best_interval,
+    daly_interval,
+    expected_goodput,
+    expected_time,
+    simulate_goodput,
+    young_interval,
+)
 
 
 def test_young_is_the_root_of_the_first_order_waste():
     delta, mtbf = 30.0, 3600.0
-    waste = lambda tau: delta / tau + tau / (2 * mtbf)          # formulas §8.3, R does not move the optimum
+
+    def waste(tau):                                             # formulas §8.3, R does not move the optimum
+        return delta / tau + tau / (2 * mtbf)
+
     tau = young_interval(delta, mtbf)
     assert tau == math.sqrt(2 * delta * mtbf)
     assert waste(tau) < min(waste(tau * 0.99), waste(tau * 1.01))
@@ -48,7 +57,10 @@ def test_the_optimum_sits_where_young_and_daly_put_it_when_delta_is_small():
     delta, mtbf, restart, work = 1.0, 3600.0, 60.0, 3600.0 * 100
     best = best_interval(work, delta, mtbf, restart)
     assert abs(daly_interval(delta, mtbf) / best - 1) < 0.01 and abs(young_interval(delta, mtbf) / best - 1) < 0.03
-    g = lambda tau: expected_goodput(work, tau, delta, mtbf, restart)
+
+    def g(tau):
+        return expected_goodput(work, tau, delta, mtbf, restart)
+
     assert g(best) >= max(g(best * 0.9), g(best * 1.1))
 
 
@@ -57,12 +69,14 @@ def test_the_optimum_sits_where_young_and_daly_put_it_when_delta_is_small():
     (600.0, 0.27160, 30.0, 2.0), (300.0, 0.05, 30.0, 2.0), (86400.0 * 10, 56.0, 180.0, 600.0), (10.0, 0.1, 30.0, 2.0),
     (100.0, 50.0, 10.0, 1.0)])
 def test_the_optimum_is_the_best_whole_number_of_segments(work, delta, mtbf, restart):
-    g = lambda tau: expected_goodput(work, tau, delta, mtbf, restart)
+    def g(tau):
+        return expected_goodput(work, tau, delta, mtbf, restart)
+
     best = best_interval(work, delta, mtbf, restart)
     n = round(work / best)
     assert best == work / n
     young = young_interval(delta, mtbf)
-    lo, hi = max(1, int(work / (5 * young))), int(5 * work / young) + 1           # every whole n with τ in √(2δM)·[⅕, 5]
+    lo, hi = max(1, int(work / (5 * young))), int(5 * work / young) + 1  # every whole n with τ in √(2δM)·[⅕, 5]
     assert g(best) >= max(g(work / k) for k in range(lo, hi + 1))
     assert all(g(best) >= g(best * f) for f in np.linspace(0.5, 2, 61))                 # and no τ in between beats it
 

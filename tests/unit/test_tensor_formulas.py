@@ -7,13 +7,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.distributed.collectives import ring_all_gather_bytes, ring_reduce_scatter_bytes, tree_broadcast_bytes, \
-    tree_reduce_bytes
 from course_lib.core.model import GPT, GPTConfig, block_activation_bytes
-from course_lib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, check_tp, colossal_bandwidth,
-                                        grid_bytes, grid_of, layer_activation_bytes, layer_bytes, make_grid,
-                                        paper_activation_bytes, sp_layer_bytes, tp_bytes_per_microbatch,
-                                        tp_bytes_per_step, tp_plan, vocab_parallel_cross_entropy)
+from course_lib.distributed.collectives import (
+    ring_all_gather_bytes,
+    ring_reduce_scatter_bytes,
+    tree_broadcast_bytes,
+    tree_reduce_bytes,
+)
+from course_lib.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    check_tp,
+    colossal_bandwidth,
+    grid_bytes,
+    grid_of,
+    layer_activation_bytes,
+    layer_bytes,
+    make_grid,
+    paper_activation_bytes,
+    sp_layer_bytes,
+    tp_bytes_per_microbatch,
+    tp_bytes_per_step,
+    tp_plan,
+    vocab_parallel_cross_entropy,
+)
 
 SOLO = types.SimpleNamespace(world_size=1, rank=0)     # a one-rank group: the collectives return at once
 

@@ -1,10 +1,21 @@
 import pytest
 
+from course_lib import optim
 from course_lib.core.data import ShardedBatches
 from course_lib.core.model import GPT, get_config
-from course_lib import optim
-from course_lib.train import (GradProbe, LedgerProbe, MemoryProbe, Probe, TrainConfig, evaluate, optimizer_kwargs,
-                              run, sample, train_reference, uniform_loss)
+from course_lib.train import (
+    GradProbe,
+    LedgerProbe,
+    MemoryProbe,
+    Probe,
+    TrainConfig,
+    evaluate,
+    optimizer_kwargs,
+    run,
+    sample,
+    train_reference,
+    uniform_loss,
+)
 
 
 def test_reference_training_learns_and_is_deterministic():
@@ -103,5 +114,6 @@ def test_progress_bar_shows_the_loss_without_a_redraw_per_step(monkeypatch):
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     m = GPT(get_config("nano"))
     r = run(m, optim.build(m, **optimizer_kwargs(TrainConfig())), ShardedBatches(64, 2), steps=3, progress=True)
-    assert calls == [("open", 3)] + [c for loss in r.losses for c in (("postfix", False, f"{loss:.3f}"), ("update", 1))] \
+    assert calls == [("open", 3)] \
+        + [c for loss in r.losses for c in (("postfix", False, f"{loss:.3f}"), ("update", 1))] \
         + [("close",)]

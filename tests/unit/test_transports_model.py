@@ -12,9 +12,9 @@ import torch
 
 matplotlib.use("Agg")
 
-from course_lib import transports as T                       # noqa: E402
-from course_lib.checks import CheckFailed, lab01             # noqa: E402
-from course_lib.core.costmodel import GB, PRESETS, Link, fit_alpha_beta   # noqa: E402
+from course_lib import transports as T  # noqa: E402
+from course_lib.checks import CheckFailed, lab01  # noqa: E402
+from course_lib.core.costmodel import GB, Link, fit_alpha_beta  # noqa: E402
 
 S = 1e9
 

@@ -28,8 +28,18 @@ The store's parts, one subject each (every name below is importable from here, a
 from __future__ import annotations
 
 from .client import ClientStats, RetryPolicy, S3Access, throughput
-from .model import (CHUNK, CLOUD_S3, CREDENTIALS, INJECTED_CLOUD, REGION, CloudModel, ObjectNotFound,
-                          StoreError, StoreThrottled, StoreUnavailable)
+from .model import (
+                          CHUNK,
+                          CLOUD_S3,
+                          CREDENTIALS,
+                          INJECTED_CLOUD,
+                          REGION,
+                          CloudModel,
+                          ObjectNotFound,
+                          StoreError,
+                          StoreThrottled,
+                          StoreUnavailable,
+)
 from .server import Fault, FaultPlan, ObjectStore, ServerHooks, ServerStats
 
 __all__ = ["ObjectStore", "S3Access", "CloudModel", "CLOUD_S3", "INJECTED_CLOUD", "RetryPolicy", "ServerHooks",

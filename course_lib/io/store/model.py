@@ -71,7 +71,7 @@ class CloudModel:
         """c* = B_nic·(α + S/B_conn)/S: requests in flight needed to fill the link (formulas §10.2)."""
         return self.nic_bytes_per_s * self.request_time(nbytes) / nbytes
 
-    def scaled(self, factor: float, name: str | None = None) -> "CloudModel":
+    def scaled(self, factor: float, name: str | None = None) -> CloudModel:
         """Every rate (and so every size that matters, like n½ = α·B_conn) divided by `factor`, times kept: the
         same curves in units `factor` times smaller, small enough for a laptop to serve."""
         return CloudModel(name or f"{self.name}, rates ÷{factor:g}", self.first_byte_s,
@@ -79,8 +79,8 @@ class CloudModel:
                           f"{self.source}; every rate divided by {factor:g}, times kept")
 
     def label(self) -> str:
-        return (f"{self.name} (modeled: α = {self.first_byte_s * 1e3:.0f} ms, B_conn = {self.conn_bytes_per_s / 1e6:.3g} "
-                f"MB/s, B_nic = {self.nic_bytes_per_s / 1e6:.4g} MB/s)")
+        return (f"{self.name} (modeled: α = {self.first_byte_s * 1e3:.0f} ms, "
+                f"B_conn = {self.conn_bytes_per_s / 1e6:.3g} MB/s, B_nic = {self.nic_bytes_per_s / 1e6:.4g} MB/s)")
 
 
 # formulas §10.1: one request per 85–90 MB/s; ~15 requests fill a 10 Gb/s NIC. First byte: AWS quotes 100–200 ms

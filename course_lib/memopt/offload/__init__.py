@@ -16,9 +16,9 @@ in `course_lib.memopt.memory_fit`; it is re-exported here for notebook 07.
 
 On a CPU box the "device" is the simulated accelerator (`memory.SimulatedAccelerator`: only bytes placed on the
 device count against its capacity), "host" is memory labelled `placed("host")` and "disk" real files. Every transfer
-is a real copy, booked in a transfer log (a `distributed.comm.Ledger` whose group is "pcie" or "disk": d2h and writes are
-"sent", h2d and reads "received"). The PCIe link's *time* is the α–β model (`costmodel.PRESETS`, labelled modeled);
-disk time is measured. Checked against (docs/formulas.md §6):
+is a real copy, booked in a transfer log (a `distributed.comm.Ledger` whose group is "pcie" or "disk": d2h and writes
+are "sent", h2d and reads "received"). The PCIe link's *time* is the α–β model (`costmodel.PRESETS`, labelled
+modeled); disk time is measured. Checked against (docs/formulas.md §6):
 
     activations on the device, offloaded    A_emb + A_layer + max(A_head, A_layer)   the layers in flight: the one
                                             whose backward runs and the one arriving (§6.4); each further forward
@@ -35,10 +35,15 @@ Notebook 14's offload systems, on the same pieces:
     flashneuron     FlashNeuron (Bae et al., FAST'21): chosen layers' activations to an NVMe SSD and back
     decision        the decision picture: notebook 07's techniques with Mobius, vDNN and FlashNeuron (modeled)
 """
-from ..memory_fit import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
 from ...optim import adamw_  # noqa: F401  (the one AdamW step; re-exported: notebook 07 shows it here)
-from .activations import (ActivationOffload, activation_offload_of, apply_activation_offload,
-                          offloaded_activation_peak, save_on_cpu_traffic)
+from ..memory_fit import DEFAULT_LINK, Machine, fit_options, gpt_shape, largest_fitting, zero_offload_step_time
+from .activations import (
+                          ActivationOffload,
+                          activation_offload_of,
+                          apply_activation_offload,
+                          offloaded_activation_peak,
+                          save_on_cpu_traffic,
+)
 from .apply import apply_offload, offload_log
 from .disk import DiskTier, OffloadDiskError, measure_disk
 from .optimizer import TIERS, OffloadAdam

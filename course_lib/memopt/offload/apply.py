@@ -12,10 +12,10 @@ import functools
 import torch
 import torch.nn as nn
 
+from ...core.handles import attach
 from ...distributed.comm import Ledger
 from ...distributed.mesh import axis_comm
 from ...parallel.zero import apply_zero
-from ...core.handles import attach
 from .activations import apply_activation_offload
 from .optimizer import OffloadAdam
 from .swaps import transfer_log

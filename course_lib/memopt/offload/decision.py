@@ -15,11 +15,13 @@ extended by three rows, on the same `fits.Machine`, the same shapes and the same
 from __future__ import annotations
 
 from ...core.costmodel import get_link
-from ..memory_fit import Machine, fit_options, gpt_shape
 from ...parallel.tensor.sequence import paper_activation_bytes
+from ..memory_fit import Machine, fit_options, gpt_shape
+
+_MACHINE = Machine()                # the default machine (one instance, shared by the defaults below)
 
 
-def decision_options(psi: float, m: Machine = Machine()) -> dict:
+def decision_options(psi: float, m: Machine = _MACHINE) -> dict:
     """`fit_options(psi, m)` plus 'Mobius', 'vDNN' and 'FlashNeuron' (the module docstring's model), each
     {'fits', 'device', 'host', 'disk', 'seconds'}."""
     out = fit_options(psi, m)
@@ -50,7 +52,7 @@ def decision_options(psi: float, m: Machine = Machine()) -> dict:
     return out
 
 
-def best_option(psi: float, m: Machine = Machine(), *, exclude=()) -> "str | None":
+def best_option(psi: float, m: Machine = _MACHINE, *, exclude=()) -> str | None:
     """The fastest option that fits (None if none does), leaving out the names that start with any of `exclude`
     (e.g. 'ZeRO-3' on one device)."""
     fits = {k: v for k, v in decision_options(psi, m).items() if v["fits"] and not k.startswith(tuple(exclude))}

@@ -25,8 +25,8 @@ class Topology:
     """N GPUs, `per_switch` under each PCIe switch; each GPU's link and each switch's uplink to the host (modeled)."""
     n_gpus: int = 8
     per_switch: int = 2
-    link: "Link | str" = DEFAULT_LINK
-    uplink: "Link | str" = DEFAULT_LINK
+    link: Link | str = DEFAULT_LINK
+    uplink: Link | str = DEFAULT_LINK
 
     def __post_init__(self):
         if self.n_gpus < 1 or self.per_switch < 1 or self.n_gpus % self.per_switch:

@@ -100,7 +100,7 @@ def link_schedule(p: OffloadPass, link: Link, *, speedup: float = 1.0) -> LinkSc
     return LinkSchedule(sorted(compute), transfers, delay, scale(max(ends)), busy, link, start)
 
 
-def break_even_speedup(p: OffloadPass, link: "Link | str" = DEFAULT_LINK, *, hi: float = 1e7) -> float:
+def break_even_speedup(p: OffloadPass, link: Link | str = DEFAULT_LINK, *, hi: float = 1e7) -> float:
     """The smallest device speedup over this CPU (compute ÷ s, link unchanged) at which the modeled link stops
     hiding behind compute: below it every transfer is hidden (bisection on `link_schedule`)."""
     link = get_link(link)

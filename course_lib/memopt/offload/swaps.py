@@ -1,8 +1,8 @@
 """Storages to the host and back, one copy each, booked in a transfer log: the machinery every offload of notebook 07
 stands on (vDNN's activation offload, the swap planner's executor, lab 07's hooks).
 
-    transfer_log   a `distributed.comm.Ledger` for one device's link to its host and disk: d2h and disk writes are "sent",
-                   h2d and disk reads "received", compute spans "compute" events, all on `memory.now`
+    transfer_log   a `distributed.comm.Ledger` for one device's link to its host and disk: d2h and disk writes are
+                   "sent", h2d and disk reads "received", compute spans "compute" events, all on `memory.now`
     StorageSwap    a storage copied to the host once however often autograd saves it (each save becomes a note over
                    the copy), device buffers allocated by the caller's thread, copies in on any thread
 
@@ -88,7 +88,7 @@ class StorageSwap:
         self._lock = threading.RLock()
         self._stashes: dict[int, _Stash] = {}     # storage key -> stash of the storage living there now
 
-    def stash(self, t: torch.Tensor, group, tag: str) -> "tuple[_Stash, bool]":
+    def stash(self, t: torch.Tensor, group, tag: str) -> tuple[_Stash, bool]:
         """The stash of t's storage, copied to the host (booked as a d2h) if this is its first save; and whether it
         was new."""
         storage = t.untyped_storage()

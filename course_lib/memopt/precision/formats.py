@@ -77,7 +77,7 @@ _ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16
             "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2"}
 
 
-def get_format(fmt: "str | torch.dtype | Format") -> Format:
+def get_format(fmt: str | torch.dtype | Format) -> Format:
     """A Format by name ('fp16', 'bf16', 'fp8_e4m3', …), alias ('half', 'e5m2') or torch dtype."""
     if isinstance(fmt, Format):
         return fmt

@@ -33,7 +33,8 @@ class DynamicLossScaler:
         if not growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1 (the scale grows after clean steps), got {growth_factor!r}")
         if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks on overflow), got {backoff_factor!r}")
+            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks on overflow), "
+                             f"got {backoff_factor!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"growth_interval must be a positive integer, got {growth_interval!r}")
         self.scale = _f32(init_scale)

@@ -135,7 +135,7 @@ class _Fp32Logits:
         return scaler.attach(out) if scaler is not None else out
 
 
-def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf16",
+def apply_precision(model: nn.Module, mesh=None, *, recipe: str | Recipe = "bf16",
                     scaler: DynamicLossScaler | None = None, head: str = "lm_head",
                     cast: bool = True) -> MixedPrecisionModel:
     """Cast `model` to the recipe's compute precision, in place; returns the same object, now also a
@@ -154,7 +154,7 @@ def apply_precision(model: nn.Module, mesh=None, *, recipe: "str | Recipe" = "bf
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("apply_precision expects an fp32 model (it keeps the fp32 values as master weights); "
                          f"got parameters of {sorted({str(p.dtype) for p in model.parameters()})}")
-    from ...optim.master import set_master                   # the optimizer module finds the masters there
+    from ...optim.master import set_master  # the optimizer module finds the masters there
     if cast and r.master_weights:
         for p in model.parameters():
             set_master(p, p.detach().clone())

@@ -4,7 +4,7 @@ A recipe names the compute dtype (weights, activations and gradients of forward 
 master copy is what the optimizer updates, and whether the loss is scaled. Model states with Adam: fp16 mixed
 precision 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter (ZeRO, Rajbhandari et al. SC'20 §3.1, K = 12); 8-bit Adam's
 state 2 + 8/B (Dettmers et al. 2022; formulas §7.4). The one place precision is chosen: `apply_precision` casts the
-model by the recipe, `course_lib.optim.make` builds the optimizer from it.
+model by the recipe, `course_lib.optim.build` builds the optimizer from it.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def get_recipe(recipe: "str | Recipe") -> Recipe:
+def get_recipe(recipe: str | Recipe) -> Recipe:
     if isinstance(recipe, Recipe):
         return recipe
     if recipe not in RECIPES:
@@ -54,7 +54,7 @@ def get_recipe(recipe: "str | Recipe") -> Recipe:
     return RECIPES[recipe]
 
 
-def model_state_bytes(recipe: "str | Recipe", numels, *, optimizer: str = "adamw", block_size: int = 2048) -> dict:
+def model_state_bytes(recipe: str | Recipe, numels, *, optimizer: str = "adamw", block_size: int = 2048) -> dict:
     """Exact bytes of the model states after an optimizer step, as the memory accountant labels them:
 
         parameters  Σn · e_compute                  (the compute copy)
@@ -77,7 +77,7 @@ def model_state_bytes(recipe: "str | Recipe", numels, *, optimizer: str = "adamw
     return {"parameters": psi * r.compute_bytes, "gradients": psi * r.compute_bytes, "optimizer": master + state}
 
 
-def bytes_per_parameter(recipe: "str | Recipe", optimizer: str = "adamw", block_size: int = 2048) -> dict:
+def bytes_per_parameter(recipe: str | Recipe, optimizer: str = "adamw", block_size: int = 2048) -> dict:
     """The per-parameter split in the ZeRO paper's style (no per-tensor `step` counters): weights, gradients,
     master, optimizer state — e.g. fp16 with Adam: 2 + 2 + 4 + 8 = 16 bytes (Rajbhandari et al., SC'20 §3.1)."""
     r = get_recipe(recipe)

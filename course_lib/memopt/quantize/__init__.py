@@ -12,15 +12,33 @@
 from __future__ import annotations
 
 from .adam8bit import Adam8bit, adam8bit_state_bytes
-from .allreduce import (COMM_KINDS, QGRAD_TAG, quantized_all_reduce, quantized_all_reduce_error_bound,
-                        quantized_data_parallel, quantized_ring_all_reduce_bytes, relative_half_step, wire_bytes)
-from .blockwise import (KINDS, PAPER_BLOCK_SIZE, QTensor, _pack_int4, _unpack_int4, block_lengths,  # noqa: F401
-                        dequantize_blockwise, dynamic_map, error_bound, payload_bytes, quantize_blockwise)
+from .allreduce import (
+                        COMM_KINDS,
+                        QGRAD_TAG,
+                        quantized_all_reduce,
+                        quantized_all_reduce_error_bound,
+                        quantized_data_parallel,
+                        quantized_ring_all_reduce_bytes,
+                        relative_half_step,
+                        wire_bytes,
+)
+from .blockwise import (  # noqa: F401
+                        KINDS,
+                        PAPER_BLOCK_SIZE,
+                        QTensor,
+                        _pack_int4,
+                        _unpack_int4,
+                        block_lengths,
+                        dequantize_blockwise,
+                        dynamic_map,
+                        error_bound,
+                        payload_bytes,
+                        quantize_blockwise,
+)
 from .weights import QuantizedLinear, model_bytes, ptq_bytes, quantize_weights
 
-
 __all__ = ["KINDS", "PAPER_BLOCK_SIZE", "dynamic_map", "QTensor", "quantize_blockwise", "dequantize_blockwise",
-           "error_bound", "payload_bytes", "block_lengths", "Adam8bit", "adam8bit_state_bytes", "COMM_KINDS", "QGRAD_TAG",
-           "wire_bytes", "quantized_ring_all_reduce_bytes", "relative_half_step", "quantized_all_reduce_error_bound",
-           "quantized_all_reduce", "quantized_data_parallel",
+           "error_bound", "payload_bytes", "block_lengths", "Adam8bit", "adam8bit_state_bytes", "COMM_KINDS",
+           "QGRAD_TAG", "wire_bytes", "quantized_ring_all_reduce_bytes", "relative_half_step",
+           "quantized_all_reduce_error_bound", "quantized_all_reduce", "quantized_data_parallel",
            "QuantizedLinear", "quantize_weights", "model_bytes", "ptq_bytes"]

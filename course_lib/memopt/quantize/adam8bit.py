@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...optim.adamw import adamw_
-from .blockwise import (PAPER_BLOCK_SIZE, QTensor, _decode, _encode, _map, block_lengths, dequantize_blockwise)
+from .blockwise import PAPER_BLOCK_SIZE, QTensor, _decode, _encode, _map, block_lengths, dequantize_blockwise
 
 
 class Adam8bit(torch.optim.Optimizer):

@@ -18,6 +18,8 @@ def rerun_tp_bytes(plan: RecomputePlan, cfg, micro_batch_size: int, tp_size: int
              full segment of n blocks: 2n − 1 all-reduces      selective: 0 (the core precedes any collective)
         SP   g_sp (all-gather), ḡ (reduce-scatter) after attention, the same around the MLP
              full segment: 2n all-gathers + 2n − 1 reduce-scatters      selective: 1 all-gather (attention's g_sp)
+        MoE  (1D; experts whole on every tp rank) only attention's g, which the block's MoE reads:
+             full segment: n all-reduces
 
     `tp_bytes_per_microbatch` + this = what the ledger shows on the tp axis (tests/integration/test_recompute_tp.py).
     """
@@ -27,7 +29,9 @@ def rerun_tp_bytes(plan: RecomputePlan, cfg, micro_batch_size: int, tp_size: int
     total = 0
     for u in plan.units:
         blocks = u.end - u.start
-        if u.kind == "full":
+        if u.kind == "full" and get_config(cfg).n_expert:     # MoE blocks: only attention's g, each one needed
+            total += blocks * ar
+        elif u.kind == "full":
             total += (2 * blocks * ag + (2 * blocks - 1) * rs) if sequence_parallel else (2 * blocks - 1) * ar
         elif u.kind == "selective" and sequence_parallel:
             total += ag

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...core.costmodel import Link, get_link
-from ..memory_fit import DEFAULT_LINK
 from ...memory import fmt_bytes
+from ..memory_fit import DEFAULT_LINK
 from .trace import Trace
 
 
@@ -59,7 +59,7 @@ class Outcome:
         return self.peak <= budget
 
 
-def simulate(trace: Trace, plan: SwapPlan, link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> Outcome:
+def simulate(trace: Trace, plan: SwapPlan, link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0) -> Outcome:
     """Replay the traced ops with `plan` on the modeled link; exact device bytes at every op (see the module).
 
     Op k runs for its measured time ÷ speedup. A swap-out goes on the d2h lane when the op that saved the tensor

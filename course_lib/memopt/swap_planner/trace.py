@@ -7,15 +7,19 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ...core.costmodel import Link
-from ..memory_fit import DEFAULT_LINK
 from ...memory import MemoryTracker, now, saved_tensors_hooks_over, untracked
+from ..memory_fit import DEFAULT_LINK
 from ..offload import StorageSwap, _Packed, transfer_log
+
+if TYPE_CHECKING:
+    from . import SwapPlan  # for the annotations only (plans.py imports this module)
 
 
 @dataclass
@@ -102,7 +106,7 @@ class TracingTracker(MemoryTracker):
             rec.free = self.clock
         super()._free(key)
 
-    def record_of(self, t: torch.Tensor) -> "Storage | None":
+    def record_of(self, t: torch.Tensor) -> Storage | None:
         return self._record_of.get(t.untyped_storage()._cdata)
 
 
@@ -145,7 +149,7 @@ class _Executor:
         else stays as it is. Ops that run at an op boundary are the tracker's own: they count as memory, not ops.
     """
 
-    def __init__(self, tracker: TracingTracker, keep: set, plan: "SwapPlan | None" = None):
+    def __init__(self, tracker: TracingTracker, keep: set, plan: SwapPlan | None = None):
         self.tracker, self.keep, self.plan = tracker, keep, plan
         self.swap = StorageSwap(transfer_log())
         self.packs: dict = {}           # record id -> stash
@@ -255,8 +259,8 @@ def trace_step(model: torch.nn.Module, batch) -> Trace:
     return Trace(tracker.ops, storages, candidates, base, int(keep.max()), tracker.peak, psi)
 
 
-def execute(model: torch.nn.Module, batch, trace: Trace, plan: SwapPlan, budget: "int | None" = None,
-            link: "Link | str" = DEFAULT_LINK, *, speedup: float = 1.0) -> dict:
+def execute(model: torch.nn.Module, batch, trace: Trace, plan: SwapPlan, budget: int | None = None,
+            link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0) -> dict:
     """Run one forward + backward with `plan` on a simulated accelerator of `budget` bytes (None: unlimited):
     a plan the model says fits must not run out. Returns the gradients, the accountant's device peak and the
     bytes moved each way."""

@@ -315,7 +315,11 @@ class ContextParallelGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return logits, None if targets is None else self.loss(logits, targets)
+        loss = None if targets is None else self.loss(logits, targets)
+        if loss is not None and self.config.n_expert:      # the load-balancing loss of this rank's tokens' routing
+            from ...core.model import moe_aux_loss
+            loss = loss + moe_aux_loss(self)
+        return logits, loss
 
 
 def _ring_attend(q, k, v, *, comm, layout):

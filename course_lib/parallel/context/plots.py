@@ -4,7 +4,8 @@ docs/formulas.md §11–12, from `course_lib.parallel.context` and `course_lib.c
 
 `block_spans(comm)` (ring attention's own hook, `course_lib.parallel.context.block_spans`, re-exported here) marks
 each ring step's block computation as a compute span in the traffic ledger — the window between posting the K/V
-transfer and waiting for it — so `course_lib.core.plots.plot_timeline` can show the transfer overlapping the computation.
+transfer and waiting for it — so `course_lib.core.plots.plot_timeline` can show the transfer overlapping the
+computation.
 """
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from .. import context as C
-from . import allgather_activation_bytes, ring_activation_bytes  # noqa: F401  (re-exported: notebook 12)
-from . import block_spans  # noqa: F401  (re-exported: notebook 12 draws with it)
 from ..expert import expert_bytes_per_forward
+from . import (  # noqa: F401  (re-exported: notebook 12)
+    allgather_activation_bytes,
+    block_spans,  # noqa: F401  (re-exported: notebook 12 draws with it)
+    ring_activation_bytes,
+)
 
 CMAP = plt.get_cmap("tab10")
 
@@ -41,7 +45,8 @@ def plot_ring_steps(seq_len: int, cp: int, *, layouts=C.LAYOUTS):
     return fig
 
 
-def plot_router_counts(counts, capacity: int, *, dropped: int, demand=None, title: str = "Tokens routed to each expert"):
+def plot_router_counts(counts, capacity: int, *, dropped: int, demand=None,
+                       title: str = "Tokens routed to each expert"):
     """Bars of kept assignments per expert, the capacity as a line, the dropped count in the title; with `demand`
     (assignments the router asked of each expert), what overflowed the capacity as hatched bars above."""
     counts = np.asarray(counts)

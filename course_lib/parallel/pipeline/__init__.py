@@ -14,15 +14,45 @@ Huang et al., GPipe, NeurIPS 2019; Narayanan et al., PipeDream, SOSP 2019; Naray
 ICML 2021; Narayanan et al., Megatron-LM, SC'21; Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024.
 The formulas checked are docs/formulas.md §3.
 """
-from .executor import (ACTIVATION_TAG, GRADIENT_TAG, Pipeline, PipelineLayout, PipelinePlan, apply_pipeline,
-                       boundary_bytes, plan_pipeline)
-from .schedules import (COSTS, GENERATORS, Op, Schedule, ScheduleError, bubble_formula, bubble_fraction, gpipe,
-                        in_flight, interleaved_1f1b, make_schedule, one_f_one_b, peak_bytes, simulate, validate, zb_h1)
-from .stage import (PipelineStage, check_splittable, defer_weight_grads, run_weight_grads, split_layers,
-                    stage_activation_bytes)
+from .executor import (
+                       ACTIVATION_TAG,
+                       GRADIENT_TAG,
+                       Pipeline,
+                       PipelineLayout,
+                       PipelinePlan,
+                       apply_pipeline,
+                       boundary_bytes,
+                       plan_pipeline,
+)
+from .schedules import (
+                       COSTS,
+                       GENERATORS,
+                       Op,
+                       Schedule,
+                       ScheduleError,
+                       bubble_formula,
+                       bubble_fraction,
+                       gpipe,
+                       in_flight,
+                       interleaved_1f1b,
+                       make_schedule,
+                       one_f_one_b,
+                       peak_bytes,
+                       simulate,
+                       validate,
+                       zb_h1,
+)
+from .stage import (
+                       PipelineStage,
+                       check_splittable,
+                       defer_weight_grads,
+                       run_weight_grads,
+                       split_layers,
+                       stage_activation_bytes,
+)
 
 __all__ = ["ACTIVATION_TAG", "GRADIENT_TAG", "Pipeline", "PipelineLayout", "PipelinePlan", "apply_pipeline",
-           "boundary_bytes", "plan_pipeline", "COSTS", "GENERATORS", "Op", "Schedule", "ScheduleError", "bubble_formula",
-           "bubble_fraction", "gpipe", "in_flight", "interleaved_1f1b", "make_schedule", "one_f_one_b", "peak_bytes",
-           "simulate", "validate", "zb_h1", "PipelineStage", "defer_weight_grads", "run_weight_grads", "split_layers",
-           "stage_activation_bytes", "check_splittable"]
+           "boundary_bytes", "plan_pipeline", "COSTS", "GENERATORS", "Op", "Schedule", "ScheduleError",
+           "bubble_formula", "bubble_fraction", "gpipe", "in_flight", "interleaved_1f1b", "make_schedule",
+           "one_f_one_b", "peak_bytes", "simulate", "validate", "zb_h1", "PipelineStage", "defer_weight_grads",
+           "run_weight_grads", "split_layers", "stage_activation_bytes", "check_splittable"]

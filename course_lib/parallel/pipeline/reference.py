@@ -21,7 +21,6 @@ import torch
 
 from ...core.data import ShardedBatches
 from ...core.model import GPT, lm_loss
-from ... import optim
 from ...train import TrainConfig, optimizer_kwargs
 from .executor import plan_pipeline
 from .stage import PipelineStage

@@ -14,10 +14,10 @@ compared op by op with `torch.distributed.pipelining`'s `pipeline_order`. One ex
 
 Generators (each returns per-rank op lists; `make_schedule` wraps and validates them):
 
-    gpipe              all F, then all B                                   Huang et al., NeurIPS 2019
-    one_f_one_b        S−1−r warm-up F, then F/B alternating, then B       PipeDream-Flush; Narayanan et al. SC'21 §2.2.1
-    interleaved_1f1b   v chunks per rank, depth-first in rounds of S        Narayanan et al. SC'21 §2.2.2
-    zb_h1              1F1B with B split into B (input) and W (weights),   Qi et al., ICLR 2024 §2.1 (ZB-H1)
+    gpipe              all F, then all B                                  Huang et al., NeurIPS 2019
+    one_f_one_b        S−1−r warm-up F, then F/B alternating, then B      PipeDream-Flush; Narayanan et al. SC'21 §2.2.1
+    interleaved_1f1b   v chunks per rank, depth-first in rounds of S       Narayanan et al. SC'21 §2.2.2
+    zb_h1              1F1B with B split into B (input) and W (weights),  Qi et al., ICLR 2024 §2.1 (ZB-H1)
                        W of rank r delayed by r steps to fill the drain
 
 Checked against (docs/formulas.md §3) with op costs F = 1, B = 2 (the whole backward), W = 1 (its weight part):
@@ -97,12 +97,12 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) ->
         warmup = min((v - 1) * per_round + 2 * (S - 1 - r), total)
         f_next, b_next = [0] * v, [0] * v           # next micro-batch per chunk
 
-        def fwd(k):                                 # the k-th forward of this rank
+        def fwd(k, f_next=f_next, r=r):             # the k-th forward of this rank
             c = (k // per_round) % v
             f_next[c] += 1
             return Op("F", c * S + r, f_next[c] - 1)
 
-        def bwd(k):                                 # the k-th backward: chunks in reverse order
+        def bwd(k, b_next=b_next, r=r):             # the k-th backward: chunks in reverse order
             c = v - 1 - (k // per_round) % v
             b_next[c] += 1
             return Op("B", c * S + r, b_next[c] - 1)
@@ -241,7 +241,8 @@ def simulate(s: Schedule, costs=None, comm: float = 0, stage_weights=None) -> li
     stage's ops: unequal stages, e.g. layers per stage ÷ the mean. Integer costs are timed in exact fractions, so
     a bubble computed from them equals its closed form exactly. Returns per rank [(op, start, end)]; raises
     ScheduleError naming the ops every rank is stuck on if the schedule deadlocks."""
-    costs = {k: Fraction(c) if isinstance(c, (int, Fraction)) else float(c) for k, c in dict(COSTS, **(costs or {})).items()}
+    costs = {k: Fraction(c) if isinstance(c, (int, Fraction)) else float(c)
+             for k, c in dict(COSTS, **(costs or {})).items()}
     split, last = s.split_backward, s.num_virtual_stages - 1
     weights = [1] * s.num_virtual_stages if stage_weights is None else list(stage_weights)
     if len(weights) != s.num_virtual_stages:

@@ -12,14 +12,57 @@ axis, and the activations moved between them by collectives written on send/recv
     workers    what notebook 06's launches run on each rank (imported from there, not re-exported here)
     plots      notebook 06's pictures: the slice of each weight a rank holds, the blocks of X, W, Y on the grids
 """
-from .gpt import (STYLES, TensorParallelGPT, apply_tp, check_tp, layer_traffic, torch_parallelize_blocks, torch_tp_plan,
-                  tp_bytes_per_microbatch, tp_bytes_per_step, tp_plan)
-from .grid import (COLOSSAL_BANDWIDTH, KINDS, Grid, GridLinear, colossal_bandwidth, grid_bytes, grid_memory, grid_of,
-                   grid_shape, make_grid, summa, summa_abt, summa_atb)
-from .megatron import (Call, CollectiveLog, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g,
-                       g_sp, gbar_sp, layer_bytes, padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
-from .sequence import (LayerActivationProbe, SequenceParallelLayerNorm, SequenceParallelRegion,
-                       layer_activation_bytes, paper_activation_bytes, saving_slice_only, tp_activation_bytes)
+from .gpt import (
+                  STYLES,
+                  TensorParallelGPT,
+                  apply_tp,
+                  check_tp,
+                  layer_traffic,
+                  torch_parallelize_blocks,
+                  torch_tp_plan,
+                  tp_bytes_per_microbatch,
+                  tp_bytes_per_step,
+                  tp_plan,
+)
+from .grid import (
+                  COLOSSAL_BANDWIDTH,
+                  KINDS,
+                  Grid,
+                  GridLinear,
+                  colossal_bandwidth,
+                  grid_bytes,
+                  grid_memory,
+                  grid_of,
+                  grid_shape,
+                  make_grid,
+                  summa,
+                  summa_abt,
+                  summa_atb,
+)
+from .megatron import (
+                  Call,
+                  CollectiveLog,
+                  ColumnParallelLinear,
+                  RowParallelLinear,
+                  VocabParallelEmbedding,
+                  f,
+                  g,
+                  g_sp,
+                  gbar_sp,
+                  layer_bytes,
+                  padded_vocab,
+                  sp_layer_bytes,
+                  vocab_parallel_cross_entropy,
+)
+from .sequence import (
+                  LayerActivationProbe,
+                  SequenceParallelLayerNorm,
+                  SequenceParallelRegion,
+                  layer_activation_bytes,
+                  paper_activation_bytes,
+                  saving_slice_only,
+                  tp_activation_bytes,
+)
 
 __all__ = ["apply_tp", "tp_plan", "check_tp", "TensorParallelGPT", "STYLES", "layer_traffic",
            "tp_bytes_per_microbatch", "tp_bytes_per_step", "torch_tp_plan",
@@ -27,5 +70,5 @@ __all__ = ["apply_tp", "tp_plan", "check_tp", "TensorParallelGPT", "STYLES", "la
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_vocab", "CollectiveLog", "Call",
            "layer_bytes", "sp_layer_bytes", "SequenceParallelLayerNorm", "SequenceParallelRegion",
            "saving_slice_only", "layer_activation_bytes", "tp_activation_bytes", "paper_activation_bytes",
-           "LayerActivationProbe", "Grid", "make_grid", "grid_of", "grid_shape", "GridLinear", "summa", "summa_abt", "summa_atb", "grid_bytes",
-           "grid_memory", "colossal_bandwidth", "COLOSSAL_BANDWIDTH", "KINDS"]
+           "LayerActivationProbe", "Grid", "make_grid", "grid_of", "grid_shape", "GridLinear", "summa", "summa_abt",
+           "summa_atb", "grid_bytes", "grid_memory", "colossal_bandwidth", "COLOSSAL_BANDWIDTH", "KINDS"]

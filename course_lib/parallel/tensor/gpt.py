@@ -21,6 +21,8 @@ and per layer the ledger shows `megatron.layer_bytes` (docs/formulas.md §4.1).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -29,7 +31,8 @@ from ...distributed.mesh import axis_comm
 from ...distributed.collectives import ring_all_gather_bytes, ring_all_reduce_bytes, ring_reduce_scatter_bytes
 from ...core.model import GPT, TP_PLAN, blocks_of
 from ..pipeline.stage import PipelineStage
-from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, f, g_sp, layer_bytes,
+from .megatron import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_reduce, f, g_sp,
+                       layer_bytes,
                        padded_vocab, sp_layer_bytes, vocab_parallel_cross_entropy)
 from .sequence import SequenceParallelLayerNorm, SequenceParallelRegion, saving_slice_only
 
@@ -50,9 +53,11 @@ def tp_plan(model, *, sequence_parallel: bool = False, plan: str = "megatron") -
     per_rank = "sequence" if sequence_parallel else "replicate"
     held = dict(model.named_children())
     table = [(n, style) for n, style in (("wte", "vocab_embedding"), ("wpe", per_rank)) if n in held]
-    for i, _ in model.blocks.named_children():     # '0', '1', … of a GPT; the GPT's block indices on a stage
+    for i, block in model.blocks.named_children():   # '0', '1', … of a GPT; the GPT's block indices on a stage
         for region in ("attn", "mlp"):
             table.append((f"blocks.{i}.{'ln1' if region == 'attn' else 'ln2'}", per_rank))
+            if region == "mlp" and not hasattr(block.mlp, "fc_in"):   # a mixture of experts: whole on every rank
+                continue
             if plan == "megatron":
                 table.append((f"blocks.{i}.{region}", "region"))
             table += [(f"blocks.{i}.{n}", _KIND_TO_STYLE[k]) for n, k in TP_PLAN.items() if n.startswith(region + ".")]
@@ -106,9 +111,20 @@ class TensorParallelGPT(nn.Module):
     def tp_size(self) -> int:
         return self.comm.world_size
 
+    context = None             # (cp communicator, layout) when built over a ContextParallelGPT (`apply_tp`)
+
+    def _cp_positions(self, seq_len: int):
+        """The global positions of the tokens this cp rank holds (None without context parallelism)."""
+        if self.context is None:
+            return None
+        from ..context import positions
+        comm, layout = self.context
+        return positions(seq_len, comm.world_size, comm.rank, layout)
+
     def hidden_shape(self, batch_size: int, seq_len: int | None = None) -> tuple[int, int, int]:
-        """What flows between blocks on this rank: (B, T, d), or this rank's slice (B, T/t, d) under SP."""
-        T = seq_len or self.config.seq_len
+        """What flows between blocks on this rank: (B, T, d), or this rank's slice (B, T/t, d) under SP; T is the
+        cp rank's T/cp tokens under context parallelism."""
+        T = (seq_len or self.config.seq_len) // (1 if self.context is None else self.context[0].world_size)
         if self.sequence_parallel and T % self.tp_size:
             raise ValueError(f"sequence parallelism splits the sequence: length {T} is not a multiple of "
                              f"tp_size={self.tp_size}")
@@ -118,11 +134,16 @@ class TensorParallelGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.seq_len:
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len={self.config.seq_len}")
+        pos = self._cp_positions(T)                              # CP: this cp rank's tokens, T/cp of them
+        if pos is None:
+            pos = torch.arange(T)
+        else:
+            idx = idx.index_select(1, pos)
         x = self.wte(idx)                                       # (B, T, d), or (B, T/t, d) with SP
         if not self.sequence_parallel:
-            return x + self.wpe(torch.arange(T))
-        n = T // self.tp_size                                    # SP: the positions of this rank's slice
-        pos = torch.arange(self.comm.rank * n, (self.comm.rank + 1) * n)
+            return x + self.wpe(pos)
+        n = len(pos) // self.tp_size                             # SP: the positions of this rank's slice
+        pos = pos[self.comm.rank * n:(self.comm.rank + 1) * n].clone()     # own storage: embedding saves it
         return x + nn.functional.embedding(pos, f.apply(self.wpe.weight, self.comm, "sp_params/wpe.weight"))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,18 +157,23 @@ class TensorParallelGPT(nn.Module):
             return self.lm_head(full)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = self._cp_positions(targets.shape[1])
+        if pos is not None:                                      # CP: the mean over this cp rank's tokens
+            targets = targets.index_select(1, pos)
         return vocab_parallel_cross_entropy(logits, targets, self.comm, start=self.comm.rank * logits.shape[-1],
                                             vocab_size=self.config.vocab_size)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if self.sequence_parallel and idx.shape[1] % self.tp_size:
-            raise ValueError(f"sequence parallelism splits the sequence: length {idx.shape[1]} is not a multiple "
-                             f"of tp_size={self.tp_size}")
+        self.hidden_shape(1, idx.shape[1])         # one clear error if SP cannot split this rank's tokens
         x = self.embed(idx)
         for block in blocks_of(self):
             x = block(x)
         logits = self.head(x)
-        return logits, None if targets is None else self.loss(logits, targets)
+        loss = None if targets is None else self.loss(logits, targets)
+        if loss is not None and self.config.n_expert:          # the load-balancing loss, as the GPT adds it
+            from ...core.model import moe_aux_loss              # (SP: each tp rank's share of the mean over its
+            loss = loss + moe_aux_loss(self) / (self.tp_size if self.sequence_parallel else 1)   # slices' groups)
+        return logits, loss
 
     def stage_bounds(self, n_stages: int):
         from ...core.model import stage_bounds
@@ -171,7 +197,8 @@ def _check_tp_input(model) -> bool:
         if not isinstance(model.model, GPT):
             raise TypeError(f"apply_tp rewrites a stage of the course GPT, not of {type(model.model).__name__}")
         return True
-    if isinstance(model, GPT):
+    from ..context import ContextParallelGPT
+    if isinstance(model, (GPT, ContextParallelGPT)):
         return False
     if isinstance(model, TensorParallelGPT):
         raise TypeError("this model is tensor-parallel already: apply_tp once")
@@ -224,7 +251,14 @@ def apply_tp(model, mesh_or_comm, *, sequence_parallel: bool = False, regather: 
                 new.weight = model.wte.weight
         if new is not None:
             setattr(model.get_submodule(parent) if parent else model, attr, new)
+    if sequence_parallel:                 # experts on a slice of the sequence: their gradients summed over tp
+        for i, block in model.blocks.named_children():
+            if not hasattr(block.mlp, "fc_in"):
+                for pname, p in block.mlp.named_parameters():
+                    p.register_hook(functools.partial(all_reduce, comm, tag=f"sp_params/blocks.{i}.mlp.{pname}"))
     tp = TensorParallelGPT(model, comm, table, sequence_parallel=sequence_parallel, regather=regather, vocab=vocab)
+    if hasattr(model, "layout"):          # a ContextParallelGPT: its tokens and ring attention (on this rank's heads)
+        tp.context = (model.comm, model.layout)
     if is_stage:
         model.rebind(tp)                # the stage's modules, now tensor-parallel, under TP's embed, head and loss
         attach(model, "tensor_parallel", tp)
@@ -248,7 +282,8 @@ def layer_traffic(ledger, layer: int, group: str | None = None) -> dict:
 def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int, elem: int, *,
                             sequence_parallel: bool = False, regather: bool = True, plan: str = "megatron",
                             seq_len: int | None = None, layers: int | None = None, embed: bool = True,
-                            head: bool = True, loss_elem: int | None = None) -> dict:
+                            head: bool = True, loss_elem: int | None = None,
+                            experts_held: int | None = None) -> dict:
     """Bytes tp rank `rank` sends in one forward + backward of `apply_tp`'s model, by part (exact, ring collectives).
     A pipeline stage sends only its part: `layers` blocks (default: all n_layer), the embedding's collectives if
     it holds the embedding, the head's and the loss's if it holds the head (`PipelineLayout.parts(pp_rank)`).
@@ -261,24 +296,32 @@ def tp_bytes_per_microbatch(cfg, micro_batch_size: int, tp_size: int, rank: int,
                     loss fp32 logits)
         regather    SP with regather: the input of both regions of each layer and of the head, gathered again
         sp_params   SP: the gradients of what is replicated but used on a slice of the sequence (LayerNorms,
-                    row-parallel biases, positions), summed over the tp ranks
+                    row-parallel biases, positions; with experts the router and the `experts_held` experts of
+                    every MoE block, default all n_expert, once per tensor), summed over the tp ranks
     """
     b, s, h, t = micro_batch_size, seq_len or cfg.seq_len, cfg.d_model, tp_size
     L = cfg.n_layer if layers is None else layers
     ar = ring_all_reduce_bytes(b * s * h, t, rank, elem)
     ag = ring_all_gather_bytes(b * s * h, t, rank, elem)
     rs = ring_reduce_scatter_bytes(b * s * h, t, rank, elem)
-    out = {"layers": L * (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem),
+    per_layer = (sp_layer_bytes if sequence_parallel else layer_bytes)(b, s, h, t, rank, elem)
+    if cfg.n_expert:               # experts whole on every tp rank (`tp_plan`): only attention's 2 collectives
+        per_layer //= 2
+    out = {"layers": L * per_layer,
            "embed+head": (embed + head) * ((ag + rs) if sequence_parallel else ar),
            "loss": head * (ring_all_reduce_bytes(b * s, t, rank, loss_elem or elem)
                             + ring_all_reduce_bytes(2 * b * s, t, rank, loss_elem or elem))}
     if plan == "naive":
         out["naive"] = L * 2 * ar
     if sequence_parallel and regather:
-        out["regather"] = (2 * L + head) * ag
+        out["regather"] = ((1 if cfg.n_expert else 2) * L + head) * ag     # MoE blocks: attention's region only
     if sequence_parallel:
         nb = 1 if cfg.bias else 0
-        sizes = L * ([h] * (2 * (1 + nb) + 2 * nb)) + head * [h] * (1 + nb) + embed * [cfg.seq_len * h]
+        per_block = [h] * (2 * (1 + nb) + 2 * nb)              # ln1, ln2; wo's and fc_out's biases
+        if cfg.n_expert:                                        # no fc_out: the router and the experts held
+            r, E = cfg.mlp_ratio * h, cfg.n_expert if experts_held is None else experts_held
+            per_block = [h] * (2 * (1 + nb) + nb) + [cfg.n_expert * h] + E * ([r * h, h * r] + nb * [r, h])
+        sizes = L * per_block + head * [h] * (1 + nb) + embed * [cfg.seq_len * h]
         out["sp_params"] = sum(ring_all_reduce_bytes(n, t, rank, elem) for n in sizes)
     return out
 

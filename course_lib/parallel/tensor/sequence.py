@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...memory import saved_tensors_hooks_over
 from ...core.model import blocks_of
+from ...memory import saved_tensors_hooks_over
 from ...train import Probe
 from .megatron import f, g_sp, gather_seq
 

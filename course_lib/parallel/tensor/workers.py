@@ -9,17 +9,16 @@ tensor parallelism only reorders additions, so the differences are rounding (~1e
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh      # PyTorch's own, the references
+from torch.distributed.device_mesh import init_device_mesh  # PyTorch's own, the references
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from ...core.data import ShardedBatches
-from ...distributed.mesh import Mesh, data_parallel_batches
-from ...core.model import GPT
 from ... import optim
+from ...core.data import ShardedBatches
+from ...core.model import GPT
+from ...distributed.mesh import Mesh, data_parallel_batches
 from ...train import GradProbe, LedgerProbe, MemoryProbe, TrainConfig, optimizer_kwargs, run
 from ..zero import apply_zero
 from .gpt import apply_tp, layer_traffic, torch_parallelize_blocks

@@ -6,7 +6,6 @@ import hashlib
 import re
 from pathlib import Path
 
-
 FORMAT = "course-checkpoint/1"
 MANIFEST, META = "MANIFEST.json", "meta.json"
 _STEP = re.compile(r"^step_(\d{8})$")

@@ -16,8 +16,8 @@ import torch
 
 from ...core.files import atomic_write, fsync_dir
 from ...memory import alloc_category, now, placed
-from .fileformat import FORMAT, MANIFEST, META, CheckpointError, _sha256, list_checkpoints, step_name
 from ..state import CHECKPOINT, TrainingState, data_position, rng_state, training_state
+from .fileformat import FORMAT, MANIFEST, META, CheckpointError, _sha256, list_checkpoints, step_name
 
 
 # ============================================================================================ snapshot and persist

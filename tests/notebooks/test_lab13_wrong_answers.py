@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from course_lib.calculator import Job
+from course_lib.calculator.planner import candidates, evaluate
+from course_lib.calculator.published import fitted_efficiency
 from course_lib.checks import lab13
 
 from .test_lab_wrong_answers import _fails, _fails_with, _lab, _load
@@ -20,30 +22,48 @@ pytestmark = [pytest.mark.notebooks]
 LAB13 = _lab("lab13_choose_a_plan.ipynb", ("choose", "toy_plan"))
 PICK = "return min(fitting, key=lambda o: o.seconds).job"
 
-BEST = ("the fastest that fits, dp1·tp2·pp2 mb1 schedule=interleaved chunks=2 sequence_parallel=True "
-        "recompute=selective, takes 1.85 s")
+# The figures in each ✘ line come from the calculator (lab13.options(): every option of the exercise's technique set,
+# evaluated), so they follow the calculator's model; what the tests pin is which option each wrong answer picks.
+OPTIONS = lab13.options()
+FITS = [o for o in OPTIONS if o.fits]
+FASTEST = min(FITS, key=lambda o: o.seconds)
+BEST = f"the fastest that fits, {FASTEST.job.describe()}, takes {FASTEST.seconds:.2f} s"
+NO_FIT = min(OPTIONS, key=lambda o: o.seconds)              # what a choice that never checks memory returns
+LEAST = min(FITS, key=lambda o: o.memory["total"])
+SLOWEST = max(FITS, key=lambda o: o.seconds)
+_ALL = [evaluate(lab13.MODEL, lab13.cluster(), j, fitted_efficiency(), lab13.WORLD)
+        for j in candidates(lab13.MODEL, lab13.cluster(), lab13.BATCH, lab13.WORLD)]
+OUTSIDE = min((o for o in _ALL if o.fits), key=lambda o: o.seconds)    # the fastest of every technique: ZeRO-3
 CHOOSE_WRONG = {    # id: (mutations, the ✘ line, a fragment of the hint)
     "memory_not_checked": ([("fitting = [o for o in options if o.fits]", "fitting = [o for o in options if o.memory]")],
-                           "✘ choice: dp4·tp1·pp1 mb1 does not fit: needs 255.5 GB per device > 80 GB (largest: "
-                           "activations 163.6 GB)", "keep only the options whose memory fits"),
+                           f"✘ choice: {NO_FIT.job.describe()} does not fit: {NO_FIT.reason}",
+                           "keep only the options whose memory fits"),
     "least_memory_instead_of_fastest": ([(PICK, 'return min(fitting, key=lambda o: o.memory["total"]).job')],
-                                        "✘ choice: dp1·tp4·pp1 mb1 sequence_parallel=True recompute=full is the "
-                                        "option with the least memory (53.4 GB), 2.41 s/step; the fastest that fits "
-                                        "takes 1.85 s", "rank the options that fit by modeled step"),
+                                        f"✘ choice: {LEAST.job.describe()} is the option with the least memory "
+                                        f"({LEAST.memory['total'] / lab13.GB:.1f} GB), {LEAST.seconds:.2f} s/step; "
+                                        f"the fastest that fits takes {FASTEST.seconds:.2f} s",
+                                        "rank the options that fit by modeled step"),
     "slowest_instead_of_fastest": ([(PICK, "return max(fitting, key=lambda o: o.seconds).job")],
-                                   "✘ choice: dp1·tp1·pp4 mb8 recompute=full is the slowest option that fits: "
-                                   f"7.82 s/step (modeled); {BEST}", "smallest modeled step time"),
+                                   f"✘ choice: {SLOWEST.job.describe()} is the slowest option that fits: "
+                                   f"{SLOWEST.seconds:.2f} s/step (modeled); {BEST}", "smallest modeled step time"),
     "option_instead_of_job": ([(PICK, "return min(fitting, key=lambda o: o.seconds)")],
                               "✘ choice: choose returned an Option, not a Job", "return that"),
     "technique_set_ignored": ([("candidates(model, cluster, batch, world,\n",
                                 "candidates(model, cluster, batch, world)]\n#")],
-                              "✘ choice: dp2·tp2·pp1 mb1 zero=3 sequence_parallel=True recompute=selective uses "
-                              "ZeRO-3, outside this lab's technique set {'zeros': (1,), 'max_chunks': 2}",
-                              "**lab13.TECHNIQUES"),
+                              f"✘ choice: {OUTSIDE.job.describe()} uses ZeRO-{OUTSIDE.job.zero}, outside this lab's "
+                              f"technique set {lab13.TECHNIQUES}", "**lab13.TECHNIQUES"),
     "first_that_fits": ([(PICK, "return fitting[0].job")],
-                        "✘ choice: dp2·tp1·pp2 mb1 recompute=full is the first option that fits (in candidates' "
-                        f"order): 2.44 s/step (modeled); {BEST}", "smallest modeled step time"),
+                        f"✘ choice: {FITS[0].job.describe()} is the first option that fits (in candidates' "
+                        f"order): {FITS[0].seconds:.2f} s/step (modeled); {BEST}", "smallest modeled step time"),
 }
+
+
+def test_each_wrong_choice_picks_a_different_option_than_the_right_one():
+    """The cases are what they claim: each wrong rule lands on an option other than the fastest that fits."""
+    assert len({o.job for o in (FASTEST, NO_FIT, LEAST, SLOWEST, FITS[0], OUTSIDE)}) == 6
+    assert not NO_FIT.fits and OUTSIDE.job.zero == 3
+
+
 PLAN = "recompute=job.recompute)"
 PLAN_WRONG = {
     "sequences_not_microbatches": ([("num_microbatches=job.num_microbatches", "num_microbatches=job.batch // job.dp")],

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,9 +16,6 @@ from ...core.costmodel import Link
 from ...memory import MemoryTracker, now, saved_tensors_hooks_over, untracked
 from ..memory_fit import DEFAULT_LINK
 from ..offload import StorageSwap, _Packed, transfer_log
-
-if TYPE_CHECKING:
-    from . import SwapPlan  # for the annotations only (plans.py imports this module)
 
 
 @dataclass
@@ -149,7 +145,7 @@ class _Executor:
         else stays as it is. Ops that run at an op boundary are the tracker's own: they count as memory, not ops.
     """
 
-    def __init__(self, tracker: TracingTracker, keep: set, plan: SwapPlan | None = None):
+    def __init__(self, tracker: TracingTracker, keep: set, plan=None):
         self.tracker, self.keep, self.plan = tracker, keep, plan
         self.swap = StorageSwap(transfer_log())
         self.packs: dict = {}           # record id -> stash
@@ -259,7 +255,7 @@ def trace_step(model: torch.nn.Module, batch) -> Trace:
     return Trace(tracker.ops, storages, candidates, base, int(keep.max()), tracker.peak, psi)
 
 
-def execute(model: torch.nn.Module, batch, trace: Trace, plan: SwapPlan, budget: int | None = None,
+def execute(model: torch.nn.Module, batch, trace: Trace, plan, budget: int | None = None,
             link: Link | str = DEFAULT_LINK, *, speedup: float = 1.0) -> dict:
     """Run one forward + backward with `plan` on a simulated accelerator of `budget` bytes (None: unlimited):
     a plan the model says fits must not run out. Returns the gradients, the accountant's device peak and the

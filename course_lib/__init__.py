@@ -96,7 +96,7 @@ def show_source(obj, *, title: str | None = None, only=None):
     src = source_of(obj, only=only)
     try:
         from IPython.display import Code, display
-        get_ipython  # noqa: F821  (defined only inside IPython)
+        _ = get_ipython  # noqa: F821  (defined only inside IPython)
         display(Code(src, language="python"))
     except (ImportError, NameError):
         print(f"# --- {title or getattr(obj, '__qualname__', obj)} ---\n{src}")

@@ -41,7 +41,8 @@ def pinned_requirements(pyproject: Path | None = None) -> dict[str, str]:
             for m in re.finditer(r'"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^"\s;]+)\s*(?:;[^"]*)?"', text)}
 
 
-def check_environment(verbose: bool = True, required=("torch", "numpy", "matplotlib", "tqdm", "ipywidgets", "psutil")) -> None:
+def check_environment(verbose: bool = True,
+                      required=("torch", "numpy", "matplotlib", "tqdm", "ipywidgets", "psutil")) -> None:
     """Check Python and the pinned packages; raise `EnvironmentProblem` with a fix, or print one summary line.
 
     Missing packages are an error; a version that differs from the pin is a warning (numbers may differ).
@@ -49,7 +50,8 @@ def check_environment(verbose: bool = True, required=("torch", "numpy", "matplot
     environment_info(verbose, required)
 
 
-def environment_info(verbose: bool = False, required=("torch", "numpy", "matplotlib", "tqdm", "ipywidgets", "psutil")) -> dict:
+def environment_info(verbose: bool = False,
+                     required=("torch", "numpy", "matplotlib", "tqdm", "ipywidgets", "psutil")) -> dict:
     """What `check_environment` checks, as a dict (Python, torch, threads, CUDA, package versions)."""
     check_python()
     pins = pinned_requirements()

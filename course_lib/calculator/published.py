@@ -325,16 +325,16 @@ POST_HOC = {("Narayanan SC'21 Table 1", "1.7B"): _without_score_maps,
 
 def _head_stage(r: dict, eff: Efficiency) -> str:
     t = r["stage_times"]
-    return (f"the LM head on the last of {len(t)} stages makes it {t[-1] / t[0] - 1:.0%} slower than the others, which "
-            f"the model charges to all {r['job'].num_microbatches} micro-batches (bubble {r['parts']['bubble']:.1f} s); "
-            f"the run's own split is not printed")
+    return (f"the LM head on the last of {len(t)} stages makes it {t[-1] / t[0] - 1:.0%} slower than the others, "
+            f"which the model charges to all {r['job'].num_microbatches} micro-batches (bubble "
+            f"{r['parts']['bubble']:.1f} s); the run's own split is not printed")
 
 
 def _llama_bubble(r: dict, eff: Efficiency) -> str:
     p = r["parts"]
-    return (f"{r['job'].num_microbatches} micro-batches on {r['job'].pp} × {r['job'].chunks} stages: the modeled bubble "
-            f"({p['bubble']:.2f} s, {p['bubble'] / p['compute']:.0%} of compute) and the FP32 reduce-scatter left "
-            f"exposed ({p['dp']:.2f} s) are the excess; Meta's schedule is not printed")
+    return (f"{r['job'].num_microbatches} micro-batches on {r['job'].pp} × {r['job'].chunks} stages: the modeled "
+            f"bubble ({p['bubble']:.2f} s, {p['bubble'] / p['compute']:.0%} of compute) and the FP32 reduce-scatter "
+            f"left exposed ({p['dp']:.2f} s) are the excess; Meta's schedule is not printed")
 
 
 def _fp8(r: dict, eff: Efficiency) -> str:

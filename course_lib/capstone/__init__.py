@@ -14,9 +14,9 @@ The same worker runs unchanged under torchrun (each process computes the referen
 Formulas (docs/formulas.md): bytes are `Parallelized.expected_bytes` (each technique's own closed form, §2–§12;
 under mixed precision the vocab-parallel loss reduces fp32 logits, §13.1); expert parallelism's all-to-all bytes
 from the routing counts of each step (`Parallelized.expected_bytes_per_step`, §12.3–12.4); model states are ZeRO's
-Ψ·(e_p + e_g + K) divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1; `parallel.zero.zero_state_bytes`)
-plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's rows and the tensor-parallel
-grids are in `course_lib.capstone.survey`, the pictures in `course_lib.capstone.plots`.
+Ψ·(e_p + e_g + K) divided by the dp group as each stage shards them (Rajbhandari et al. SC'20 §5.1;
+`parallel.zero.zero_state_bytes`) plus AdamW's step count per tensor (docs/formulas.md §2.2 and §13.1). The survey's
+rows and the tensor-parallel grids are in `course_lib.capstone.survey`, the pictures in `course_lib.capstone.plots`.
 """
 from __future__ import annotations
 
@@ -310,8 +310,8 @@ def llama3_job(steps: int = 2, seed: int = 0) -> Job:
 def time_worker(ctx, jobs, steps: int = 5, ping_sizes=(8, 4096, 65536, 524288, 2097152), rings: int = 100) -> dict:
     """The toy's step, measured for the calculator to model (notebook 13 §3): first this machine's link between
     ranks 0 and 1 (`distributed.comm.ping_pong`, the fastest of 5; the notebook fits α + S·β to it) and the seconds per
-    message of `rings` ring all-reduces on all ranks (`distributed.collectives.ring_message_seconds`: what a message costs
-    inside a collective), back to back ("ring_messages") and each after one block's forward + backward on this
+    message of `rings` ring all-reduces on all ranks (`distributed.collectives.ring_message_seconds`: what a message
+    costs inside a collective), back to back ("ring_messages") and each after one block's forward + backward on this
     rank's share of the first job's batch ("ring_messages_after_compute": as a step's messages follow its compute),
     then each job trained `steps` steps with nothing attached (no memory tracker, no FLOP counter, no ledger probe),
     then the ring all-reduces again (the load may change while the jobs run). Per job: this rank's seconds of every

@@ -121,7 +121,8 @@ def activation_formula(job: Job, coords: dict) -> tuple[int | None, str]:
         return offloaded_activation_peak(cfg, b, elem_bytes=e), "offloaded_activation_peak"
     costs, policy = formula_costs(cfg, b, elem_bytes=e), plan.recompute or "none"
     if plan.pp > 1:
-        layout = plan_pipeline(cfg, plan.pp, plan.num_microbatches, plan.schedule, chunks=plan.chunks, layers=plan.layers)
+        layout = plan_pipeline(cfg, plan.pp, plan.num_microbatches, plan.schedule, chunks=plan.chunks,
+                               layers=plan.layers)
         return pipeline_peaks(layout.schedule, layout.bounds, costs, policy)[coords["pp"]], "pipeline_peaks"
     return plan_peak(make_plan(policy, cfg.n_layer), costs), "plan_peak"
 

@@ -145,7 +145,8 @@ def _accumulation_worker(ctx, accumulation_step, cfg, tc, num_microbatches, buck
     model = GPT(cfg, seed=tc.seed).to(DTYPE)
     ddp = _CountingOverlap(model, ctx.comm, bucket_cap_bytes=bucket_cap_bytes)   # hooks talk during backward
     optimizer = optim.build(model, **optimizer_kwargs(tc))
-    batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, num_microbatches=num_microbatches, seed=tc.data_seed)
+    batches = data_parallel_batches(ctx.comm, cfg.seq_len, tc.batch_size, num_microbatches=num_microbatches,
+                                    seed=tc.data_seed)
     probes = [_SyncProbe(ddp), _GradTraffic(ctx.comm), GradProbe(at_step=0)]
     out = {"n_buckets": len(ddp.buckets), "expect": (ddp.expected_bytes_sent(), ddp.expected_messages()),
            "error": None}
@@ -169,7 +170,8 @@ def check_accumulation(accumulation_step, *, world_size: int = 2, preset: str = 
     DDP wrapper, == one process on the global batch of world_size × micro_batch_size × num_microbatches sequences, with
     exactly one synchronization per optimizer step, started by the last micro-step's backward."""
     cfg = get_config(preset)
-    tc = TrainConfig(steps=steps, batch_size=world_size * micro_batch_size * num_microbatches, seed=seed, data_seed=seed)
+    tc = TrainConfig(steps=steps, batch_size=world_size * micro_batch_size * num_microbatches, seed=seed,
+                     data_seed=seed)
     K = num_microbatches
     with check("accumulation_sync") as c:
         c.expect(K >= 2, f"num_microbatches={K}: accumulation needs at least 2 micro-steps",

@@ -77,7 +77,8 @@ def check_atomic_write(atomic_write) -> None:
                  f", not the bytes written", hint="write the bytes to a temporary file, then rename it to `path`")
         c.expect(sorted(os.listdir(d)) == ["state.bin"], f"the directory holds {sorted(os.listdir(d))}: a temporary "
                  f"file was left behind", hint="rename the temporary file over `path` (os.replace)")
-        order = [(k, a) if k == "fsync" else (k, Path(b).name) for k, a, b in calls]   # (fsync, file|dir) / (rename, to)
+        # (fsync, file|dir) / (rename, to)
+        order = [(k, a) if k == "fsync" else (k, Path(b).name) for k, a, b in calls]
         renames = [i for i, (k, x) in enumerate(order) if k == "rename" and x == "state.bin"]
         c.expect(len(renames) == 1, f"{len(renames)} rename(s) onto {target.name}: expected exactly one",
                  hint="write to a temporary name in the same directory, then os.replace(tmp, path) once")

@@ -103,8 +103,8 @@ def _want(job: Job):
 # the hint for a field of the plan that differs from the job's; a field not named here keeps its default
 _FIELD_HINTS = {"dp": "dp=job.dp", "tp": "tp=job.tp", "pp": "pp=job.pp", "zero": "zero=job.zero",
                 "schedule": "schedule=job.schedule", "chunks": "chunks=job.chunks",
-                "num_microbatches": "job.num_microbatches is batch ÷ (dp × micro_batch): each replica's micro-batches, not "
-                                "its sequences",
+                "num_microbatches": "job.num_microbatches is batch ÷ (dp × micro_batch): each replica's micro-batches, "
+                                    "not its sequences",
                 "sequence_parallel": "sequence_parallel=job.sequence_parallel", "recompute": "recompute=job.recompute",
                 "precision": "leave precision=None: the toy runs in float64 so that it can equal one process to "
                              "1e-12; the job's bf16 is what the calculator models for the real cluster"}

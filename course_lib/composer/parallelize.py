@@ -261,4 +261,5 @@ def train_parallel(mesh_or_comm, cfg, tc, wrap=None, *, model=None, probes=(), n
                progress=progress), wrapped
 
 
-__all__ = ["parallelize", "apply_plan", "train_parallel", "step_function", "Parallelized", "ParallelPlan", "PlanError", "ORDER"]
+__all__ = ["parallelize", "apply_plan", "train_parallel", "step_function", "Parallelized", "ParallelPlan", "PlanError",
+           "ORDER"]

@@ -186,7 +186,8 @@ class ParallelPlan:
                             "sequence_parallel=False")
         if self.pp > 1:
             try:
-                plan_pipeline(cfg, self.pp, self.num_microbatches, self.schedule, chunks=self.chunks, layers=self.layers)
+                plan_pipeline(cfg, self.pp, self.num_microbatches, self.schedule, chunks=self.chunks,
+                              layers=self.layers)
             except ValueError as e:
                 raise PlanError(str(e)) from None
         elif self.layers is not None:

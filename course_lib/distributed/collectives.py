@@ -144,7 +144,8 @@ def all_reduce_tree(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *
 
 # ============================================================================ naive
 @_releasing
-def all_reduce_naive(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, tag: str = "ar_naive") -> torch.Tensor:
+def all_reduce_naive(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *,
+                     tag: str = "ar_naive") -> torch.Tensor:
     """Gather to rank 0, reduce there, send the result back to each rank: rank 0's link carries 2(p−1)·S."""
     p, r = comm.world_size, comm.rank
     flat = _prepare(tensor, op)
@@ -318,7 +319,8 @@ def all_reduce(comm: Communicator, tensor: torch.Tensor, op: str = "sum", *, alg
     try:
         fn = ALL_REDUCE[algorithm]
     except KeyError:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; use one of {sorted(ALL_REDUCE) + ['backend']}") from None
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; "
+                         f"use one of {sorted(ALL_REDUCE) + ['backend']}") from None
     return fn(comm, tensor, op, tag=tag or f"ar_{algorithm}")
 
 

@@ -30,7 +30,8 @@ METHODS = ("fork", "forkserver", "spawn")
 ENV = "COURSE_START_METHOD"
 # What the fork server imports once, so each rank it forks starts with torch and the course already loaded (a
 # spawned rank spends ~3 s importing them). `preload_in_ranks` adds the lazily imported layers.
-_PRELOAD_SERVER = ["torch", "torch.distributed", "cloudpickle", "course_lib.distributed.rank", "course_lib.distributed.comm"]
+_PRELOAD_SERVER = ["torch", "torch.distributed", "cloudpickle", "course_lib.distributed.rank",
+                   "course_lib.distributed.comm"]
 
 
 def default_start_method(backend: str = "gloo", platform: str = sys.platform) -> str:
@@ -133,7 +134,7 @@ def _parts(obj, label: str):
         for var in sorted(_global_names(obj.__code__)):
             if var in obj.__globals__:
                 yield f"`{var}` (a global `{name}` uses)", obj.__globals__[var]
-        for i, d in enumerate(obj.__defaults__ or ()):
+        for _i, d in enumerate(obj.__defaults__ or ()):
             yield f"a default argument of `{name}`", d
         for k, d in (obj.__kwdefaults__ or {}).items():
             yield f"the default of `{name}`'s argument `{k}`", d

@@ -263,9 +263,9 @@ class GlobalBatches:
 
     def __init__(self, source, index: ShardIndex, *, micro_batch_size: int, dp_size: int, num_microbatches: int = 1,
                  seed: int = 0, shuffle_buffer: int = 256):
-        self.ranks = [StreamingBatches(source, index, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                                       dp_rank=r, dp_size=dp_size, seed=seed, shuffle_buffer=shuffle_buffer,
-                                       prefetch=0, workers=0) for r in range(dp_size)]
+        self.ranks = [StreamingBatches(source, index, micro_batch_size=micro_batch_size,
+                                       num_microbatches=num_microbatches, dp_rank=r, dp_size=dp_size, seed=seed,
+                                       shuffle_buffer=shuffle_buffer, prefetch=0, workers=0) for r in range(dp_size)]
         self.micro_batch_size = dp_size * micro_batch_size
         self.num_microbatches, self.seq_len = num_microbatches, index.seq_len
 

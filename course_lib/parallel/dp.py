@@ -16,8 +16,8 @@ Three wrappers for ANY `nn.Module`, naive beside optimized (picotron's `DataPara
 Every wrapper broadcasts parameters and buffers from rank 0 when it wraps (so ranks start identical), skips frozen
 parameters, reduces a tied weight once (`module.parameters()` yields it once, and autograd sums both uses into one
 `.grad` before its hook fires), keeps the model at `.module`, and offers `no_sync()`. Buckets are flat buffers
-(`course_lib.distributed.flat`, one bucketing rule for the whole course); after a synchronized step every `.grad` is a view
-into its bucket, as with PyTorch DDP's `gradient_as_bucket_view=True`, so the buckets ARE the gradients' memory.
+(`course_lib.distributed.flat`, one bucketing rule for the whole course); after a synchronized step every `.grad` is a
+view into its bucket, as with PyTorch DDP's `gradient_as_bucket_view=True`, so the buckets ARE the gradients' memory.
 
 Checked against (docs/formulas.md §1, §2): with the ring all-reduce, the gradient bytes one rank sends per step are
 
@@ -352,6 +352,6 @@ def apply_dp(model: nn.Module, mesh_or_comm, *, kind: str = "bucket", **options)
     return wrapped
 
 
-__all__ = ["apply_dp", "DP_KINDS", "DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket", "make_buckets",
-           "ring_all_reduce_messages", "ddp_bytes_per_step", "ddp_messages_per_step", "DEFAULT_BUCKET_CAP_BYTES",
-           "GRAD_TAG", "BROADCAST_TAG", "ALGORITHMS", "packs_before_backward_end"]
+__all__ = ["apply_dp", "DP_KINDS", "DataParallelNaive", "DataParallelBucket", "DataParallelOverlap", "Bucket",
+           "make_buckets", "ring_all_reduce_messages", "ddp_bytes_per_step", "ddp_messages_per_step",
+           "DEFAULT_BUCKET_CAP_BYTES", "GRAD_TAG", "BROADCAST_TAG", "ALGORITHMS", "packs_before_backward_end"]

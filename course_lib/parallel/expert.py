@@ -114,7 +114,7 @@ def apply_ep(model: nn.Module, mesh: Mesh) -> nn.Module:
     if not swaps:
         raise TypeError(f"apply_ep found no MoE layer in {type(model).__name__}: build the GPT with n_expert > 0 "
                         f"(course_lib.core.moe.MoE feed-forwards)")
-    for i, (name, moe) in enumerate(swaps):
+    for _i, (name, moe) in enumerate(swaps):
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
                 ExpertParallelMoE(moe, comm, tag=f"{name}:ep"))
@@ -349,6 +349,6 @@ def gradient_bytes(model: nn.Module, mesh: Mesh, elem: int) -> dict:
     return out
 
 
-__all__ = ["apply_expert_zero", "ExpertShardedOptimizer", "expert_layers", "ep_bytes_per_step", "aux_loss_per_step", "gradient_bytes",
-           "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param",
+__all__ = ["apply_expert_zero", "ExpertShardedOptimizer", "expert_layers", "ep_bytes_per_step", "aux_loss_per_step",
+           "gradient_bytes", "ExpertParallelMoE", "ExpertDataParallel", "set_moe_groups", "apply_ep", "is_expert_param",
            "reduce_expert_parallel_grads", "expert_bytes_per_forward", "exchange_sizes"]

@@ -29,9 +29,9 @@ What this module chooses, each said once:
     commits the step once all have. A rank lost before it reported in fails the step everywhere: rank 0's receive
     from it fails, rank 0 leaves the group, and the ranks waiting for its word see that. The survivors then all hold
     the state from before the failed step and run it again on the new layout. A rank lost after it reported in
-    leaves a committed step, which its replica took too. (Bamboo's engine instead goes on with the interrupted iteration on a failover
-    schedule, `NextStageFailoverSchedule`; here the redundant forward's outputs are dropped and at most one step is
-    redone.)
+    leaves a committed step, which its replica took too. (Bamboo's engine instead goes on with the interrupted
+    iteration on a failover schedule, `NextStageFailoverSchedule`; here the redundant forward's outputs are dropped
+    and at most one step is redone.)
 
 Checked against (docs/formulas.md §8.4): the replica's gradients are 4·ψ_{k+1} bytes per step on the ledger, its
 state 8 + |packed state| bytes per (re)formation; the final parameters equal an uninterrupted plain pipeline's
@@ -223,7 +223,8 @@ def train_redundant(ctx, cfg, tc, *, num_microbatches: int, steps: int, schedule
 
     kill: (rank, step) or (rank, step, phase) — that rank SIGKILLs itself when it enters that phase of that step
     ('forward', 'backward' (default), 'sync': the replica's gradients and the commit, 'step': the optimizer step,
-    after the commit; `failures.KillAt`). note: a file that receives the time of death. check: hash every stage output and every redundant forward's output.
+    after the commit; `failures.KillAt`). note: a file that receives the time of death. check: hash every stage output
+    and every redundant forward's output.
     Returns this rank's parameters (own stage and replica, by name), layouts, records, step times, the recovery
     events with their timings, the files this process opened while it recovered, and its ledger by tag."""
     from .failures import KillAt

@@ -117,7 +117,8 @@ def _staged_worker(ctx, send_fns, nbytes, chunk_bytes, slots, staging_bandwidth,
             for rep in range(repeats + 1):                      # repeat 0 warms up
                 for name in (order if rep % 2 else order[::-1]):   # alternate who goes first
                     engine, logged = CopyEngine(bw), LoggedSocket(sock)
-                    dt, ok = timed(lambda: send_fns[name](logged, device, bounce, engine))
+                    dt, ok = timed(lambda name=name, logged=logged, engine=engine:
+                                   send_fns[name](logged, device, bounce, engine))
                     if engine.bytes_copied != nbytes:
                         raise AssertionError(f"{name}: the copy engine staged {engine.bytes_copied:,} bytes, the "
                                              f"message has {nbytes:,}: every byte must go through the bounce buffer")

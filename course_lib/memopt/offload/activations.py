@@ -313,9 +313,9 @@ def activation_offload_of(model: nn.Module) -> ActivationOffload | None:
 def apply_activation_offload(model: nn.Module, mesh=None, *, layers=None, prefetch: bool = True,
                              log: Ledger | None = None) -> nn.Module:
     """vDNN on `model`'s blocks, in place: the same model comes back, its blocks offloading what they save, whoever
-    calls it (a GPT, a TensorParallelGPT, a PipelineStage). `handle_of(model, 'activation_offload')` is the handle: its `log`,
-    `last_pass`, `close()`. The mesh is not used (each rank offloads its own activations). A model without blocks is
-    refused (`model.blocks_of` says what it accepts), and so is a second application."""
+    calls it (a GPT, a TensorParallelGPT, a PipelineStage). `handle_of(model, 'activation_offload')` is the handle:
+    its `log`, `last_pass`, `close()`. The mesh is not used (each rank offloads its own activations). A model without
+    blocks is refused (`model.blocks_of` says what it accepts), and so is a second application."""
     ActivationOffload(model, layers, prefetch=prefetch, log=log)
     return model
 

@@ -28,7 +28,8 @@ class OffloadDiskError(RuntimeError):
 class DiskTier:
     """Optimizer state (fp32 master, m, v) of a list of tensors in real files, one file per chunk of tensors.
 
-    Chunks follow the course's bucketing rule (`distributed.flat.bucket_params`, here in bytes of state: 12 per element).
+    Chunks follow the course's bucketing rule (`distributed.flat.bucket_params`, here in bytes of state: 12 per
+    element).
     Each step reads every chunk, updates it and writes it back: chunk c + 1 is read on a thread pool while chunk c is
     updated, and chunk c is written while c + 1 is updated, so at most three chunks are in host memory. A write is
     `files.atomic_write` (a temporary name, fsync when `durable`, a rename over the chunk: atomic on POSIX), and with

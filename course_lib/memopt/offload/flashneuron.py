@@ -212,7 +212,7 @@ class FlashNeuronOffload:
         return torch.empty(0, dtype=x.dtype).set_(s.device, x.offset, x.size, x.stride)
 
     def _forget(self, s) -> None:
-        for k, (ref, v) in list(self._stashed.items()):
+        for k, (_ref, v) in list(self._stashed.items()):
             if v is s:
                 del self._stashed[k]
 
@@ -332,8 +332,9 @@ def storage_paths() -> dict:
 def storage_path_costs(nbytes: float, *, disk_bw: float, host_copy_bw: float, pcie: Link | str = "PCIe Gen4 x16",
                        chunks: int = 16) -> dict:
     """Per path (modeled): host copies, whether the CPU touches the data, host-memory bytes moved (S for each end
-    of a move in host memory or the page cache: 4S buffered, 2S with O_DIRECT, 0 with GDS; docs/formulas.md §14.5), CPU seconds (its copies at `host_copy_bw`)
-    and the pipelined time of its stages (`costmodel.pipelined_time`, `chunks` chunks)."""
+    of a move in host memory or the page cache: 4S buffered, 2S with O_DIRECT, 0 with GDS; docs/formulas.md §14.5),
+    CPU seconds (its copies at `host_copy_bw`) and the pipelined time of its stages (`costmodel.pipelined_time`,
+    `chunks` chunks)."""
     pcie = get_link(pcie)
     disk = Link("NVMe (measured)", 0.0, disk_bw, kind="measured")
     cpu = Link("CPU memcpy (measured)", 0.0, host_copy_bw, kind="measured")
@@ -361,6 +362,6 @@ def disk_full_error(nbytes: int) -> OSError:
     return OSError(errno.ENOSPC, f"No space left on device (writing {fmt_bytes(nbytes)})")
 
 
-__all__ = ["CODECS", "BF16_REL", "BF16_ABS", "bf16_error_ok", "ActivationFiles", "FlashNeuronOffload", "RoundedInMemory",
-           "flashneuron_bytes", "Selection", "select_offload", "storage_paths", "storage_path_costs",
+__all__ = ["CODECS", "BF16_REL", "BF16_ABS", "bf16_error_ok", "ActivationFiles", "FlashNeuronOffload",
+           "RoundedInMemory", "flashneuron_bytes", "Selection", "select_offload", "storage_paths", "storage_path_costs",
            "disk_full_error"]

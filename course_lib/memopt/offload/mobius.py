@@ -230,7 +230,8 @@ def search_partition(unit_param_bytes, unit_forward_s, unit_backward_s, device_b
             continue
         best["feasible"] += 1
         secs = mobius_timeline(P, stage_sums(unit_forward_s, bounds), stage_sums(unit_backward_s, bounds),
-                               boundary_bytes=boundary_bytes, num_microbatches=num_microbatches, link=link, prefetch=prefetch).total
+                               boundary_bytes=boundary_bytes, num_microbatches=num_microbatches, link=link,
+                               prefetch=prefetch).total
         if secs < best["seconds"]:
             best.update(bounds=bounds, seconds=secs, device=device)
     return best
@@ -353,7 +354,8 @@ class MobiusExecutor:
             if s not in loaded:
                 raise RuntimeError(f"the plan runs {kind} {s} but stage {s} is not on the device (load it first)")
             if not todo or todo[0] != (kind, s):
-                raise RuntimeError(f"the plan runs {kind} {s} where {' '.join(map(str, todo[0])) if todo else 'nothing'}"
+                raise RuntimeError(f"the plan runs {kind} {s} where "
+                                   f"{' '.join(map(str, todo[0])) if todo else 'nothing'}"
                                    f" is due (forwards 0…S−1, then backwards S−1…0)")
             todo.pop(0)
             t0 = now()

@@ -128,8 +128,8 @@ def mobius_cluster_time(stage_bytes, forward_s, backward_s, num_microbatches: in
 
 def zero3_offload_time(param_bytes: float, compute_s: float, num_microbatches: int, topo: Topology) -> dict:
     """DeepSpeed ZeRO-3 + offload on `topo`, modeled as favourably as possible: data parallel over the N GPUs
-    (num_microbatches/N micro-batches each, `compute_s` seconds of forward + backward per micro-batch), every GPU gathering
-    all P parameter bytes through host memory for each micro-batch's forward and again for its backward (no
+    (num_microbatches/N micro-batches each, `compute_s` seconds of forward + backward per micro-batch), every GPU
+    gathering all P parameter bytes through host memory for each micro-batch's forward and again for its backward (no
     peer-to-peer on commodity GPUs), all GPUs at once — each at min(B_gpu, B_up/per_switch) — and every transfer
     perfectly overlapped with compute: T = max(compute, link)."""
     link, up = get_link(topo.link), get_link(topo.uplink)

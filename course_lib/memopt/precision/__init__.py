@@ -12,7 +12,8 @@
 
 The optimizer side — fp32 master weights, the unscale-and-skip step and the overflow vote over every rank of the
 mesh — is course_lib.optim (`MixedPrecisionOptimizer`, `overflow_vote`), re-exported here. Composition
-(course_lib.composer.parallelize.ORDER): TP → pipeline split → recomputation → precision → DP/ZeRO outermost, optimizer last.
+(course_lib.composer.parallelize.ORDER): TP → pipeline split → recomputation → precision → DP/ZeRO outermost,
+optimizer last.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The costs of recomputation measured on a real model: every term of `costs.ChainCosts` block by block (bytes with the
 memory accountant, FLOPs with torch's FlopCounterMode, seconds timed), and probes that measure a whole run (its FLOPs
-per phase, its activation peak). Checked against the closed forms of `costs.formula_costs` (tests/unit/test_recompute.py).
+per phase, its activation peak). Checked against the closed forms of `costs.formula_costs`
+(tests/unit/test_recompute.py).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def measure_costs(cfg, batch_size: int, *, seed: int = 0, repeats: int = 3) -> C
             raise RuntimeError(f"block measured inconsistently: full recomputation held {held_f:,} bytes (its input "
                                f"is {x.numel() * x.element_size():,}) and rebuilt {work_f:,} (stored: {saved:,})")
 
-        def seconds(policy):
+        def seconds(policy, x=x, block=block):
             def fwd_bwd():
                 h = x.clone().requires_grad_()
                 y = block(h) if policy is None else checkpoint(block, h, policy=policy)
@@ -78,7 +79,7 @@ def measure_costs(cfg, batch_size: int, *, seed: int = 0, repeats: int = 3) -> C
             return _seconds(fwd_bwd, repeats)
         t_store, t_full, t_sel = seconds(None), seconds(recompute_all), seconds(attention_core)
         with torch.no_grad():
-            t_fwd = _seconds(lambda: block(x), repeats)
+            t_fwd = _seconds(lambda block=block, x=x: block(x), repeats)
         block.zero_grad(set_to_none=True)
         blocks.append(BlockCost(saved, held_f, held_sel, work_sel, fc.get_total_flops(), full - store, sel - store,
                                 t_fwd, max(0.0, t_full - t_store), max(0.0, t_sel - t_store)))

@@ -24,7 +24,8 @@ Backward (FlashAttention's, per block): D = rowsum(dO ∘ O), P = e^(S − lse),
 dQ += dS·K_j/√d_h, dK_j += dSᵀ·Q/√d_h; as in forward, the block's K and V move on to the next rank while this rank
 computes with them, and its dK, dV accumulators follow once this rank has added its part; after the last step dK,
 dV take one more hop home. The hooks are public: `rotate` (one hop, a `Transfer` to wait for) and `block_spans`
-(ring attention logs each step's block computation in the ledger, for timelines and per-rank work). Bytes each rank sends per attention layer (docs/formulas.md §11):
+(ring attention logs each step's block computation in the ledger, for timelines and per-rank work). Bytes each rank
+sends per attention layer (docs/formulas.md §11):
 
     forward   2·(cp − 1) blocks          backward   4·(cp − 1) + 2 blocks,     a block = b·(T/cp)·d·e bytes
     (K and V, cp − 1 hops)              (K, V, dK, dV, cp − 1 hops; then dK, dV home)
@@ -71,7 +72,8 @@ def check_cp(seq_len: int, cp: int, layout: str = "zigzag") -> None:
         raise ValueError(f"unknown context-parallel layout {layout!r}; use one of {LAYOUTS}")
     parts = 2 * cp if layout == "zigzag" else cp
     if seq_len % parts:
-        raise ValueError(f"the {layout} split cuts the sequence into {parts} equal chunks ({'2·' if parts != cp else ''}"
+        raise ValueError(f"the {layout} split cuts the sequence into {parts} equal chunks "
+                         f"({'2·' if parts != cp else ''}"
                          f"cp = {parts}), but T={seq_len} is not a multiple of {parts}; use a seq_len that is, or "
                          f"another cp")
 

@@ -81,7 +81,8 @@ class _Unit:
         self.groups = []                             # sharded trainable, sharded frozen, replicated ...
         for kind in (ShardedGroup, ReplicatedGroup):
             for rg in (True, False):
-                mine = [i for i, p in enumerate(params) if p.requires_grad == rg and (p in replicated) == kind.replicated]
+                mine = [i for i, p in enumerate(params)
+                        if p.requires_grad == rg and (p in replicated) == kind.replicated]
                 if mine:
                     self.groups.append(kind(fsdp, self, [params[i] for i in mine], [places[i] for i in mine], rg))
 

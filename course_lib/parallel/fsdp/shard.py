@@ -153,7 +153,8 @@ class ShardedGroup(Placed):
         that hold c real rows in one copy, the one that holds the rest in another (not one copy per rank)."""
         c = slots.shape[1]
         k, rem = divmod(rows.shape[0], c) if c else (0, 0)
-        pairs = [(rows[:k * c].view(k, c, rows.shape[1]), slots[:k])] + ([(rows[k * c:], slots[k, :rem])] if rem else [])
+        pairs = ([(rows[:k * c].view(k, c, rows.shape[1]), slots[:k])]
+                 + ([(rows[k * c:], slots[k, :rem])] if rem else []))
         for held, slot in pairs:
             held.copy_(slot) if into_rows else slot.copy_(held)
 

@@ -3,7 +3,7 @@ forward and their gradients backward through the traffic ledger, so every byte b
 
     stage = apply_pipeline(GPT(cfg), mesh, schedule="1f1b", num_microbatches=M)
     train.run(stage, optim.build(stage, lr=…), mesh.batches(T, b, num_microbatches=M),
-              steps=…, step_fn=handle_of(stage, "pipeline"))          # THE training loop; the optimizer steps this stage
+              steps=…, step_fn=handle_of(stage, "pipeline"))   # THE training loop; the optimizer steps this stage
 
 (`parallelize(model, mesh, ParallelPlan(pp=S, num_microbatches=M, …))` is that setup, with whatever else composes.)
 
@@ -206,7 +206,8 @@ class Pipeline:
         M = self.schedule.num_microbatches
         if getattr(batches, "num_microbatches", M) != M:
             raise ValueError(f"the pipeline runs M={M} micro-batches per step but the batches have num_microbatches="
-                             f"{batches.num_microbatches}; use mesh.batches(seq_len, micro_batch_size, num_microbatches={M})")
+                             f"{batches.num_microbatches}; use mesh.batches(seq_len, micro_batch_size, "
+                             f"num_microbatches={M})")
         self._model = self.stage if model is None else model
         self._shape = self.stage.hidden_shape(batches.micro_batch_size, batches.seq_len)
         self._dtype = next(self.stage.parameters()).dtype

@@ -49,7 +49,8 @@ def split_layers(n_layer: int, num_stages: int, layers=None) -> list[tuple[int, 
     layers = list(layers)
     if len(layers) != num_stages or any(not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != n_layer:
         raise ValueError(f"layers={layers} must give each of the {num_stages} stages at least one block and add up "
-                         f"to the model's n_layer={n_layer}, e.g. {[e - s for s, e in stage_bounds(n_layer, num_stages)]}")
+                         f"to the model's n_layer={n_layer}, "
+                         f"e.g. {[e - s for s, e in stage_bounds(n_layer, num_stages)]}")
     starts = [sum(layers[:k]) for k in range(num_stages)]
     return [(s, s + n) for s, n in zip(starts, layers)]
 
@@ -73,7 +74,8 @@ def check_splittable(model) -> None:
         raise TypeError("this model is already a pipeline stage: split the GPT (or its tensor-parallel form) once")
     missing = [a for a in ("config", "blocks", "embed", "head", "loss", "hidden_shape") if not hasattr(model, a)]
     if missing:
-        inner = f" around {type(model.module).__name__}" if isinstance(getattr(model, "module", None), nn.Module) else ""
+        inner = (f" around {type(model.module).__name__}" if isinstance(getattr(model, "module", None), nn.Module)
+                 else "")
         raise TypeError(f"a pipeline stage is cut from the course GPT or its tensor-parallel form (apply_tp), which "
                         f"have {', '.join(missing)}; got {type(model).__name__}{inner}. Split the model before data "
                         f"parallelism, ZeRO, precision or offload wrap it")
@@ -96,8 +98,8 @@ class PipelineStage(nn.Module):
         super().__init__()
         check_splittable(model)
         if model.config.tie_weights and num_virtual_stages > 1:
-            raise ValueError("the pipeline split needs untied embeddings: with tie_weights=True the LM head on the last "
-                             "stage shares its weight with the embedding on stage 0 (another rank); use a config "
+            raise ValueError("the pipeline split needs untied embeddings: with tie_weights=True the LM head on the "
+                             "last stage shares its weight with the embedding on stage 0 (another rank); use a config "
                              "with tie_weights=False")
         self.config: GPTConfig = model.config
         self.stages = sorted(stages)
@@ -242,4 +244,5 @@ def run_weight_grads(pending: list) -> None:
         torch.autograd.backward(handles)
 
 
-__all__ = ["PipelineStage", "check_splittable", "EMBEDDING", "HEAD", "split_layers", "stage_activation_bytes", "defer_weight_grads", "run_weight_grads"]
+__all__ = ["PipelineStage", "check_splittable", "EMBEDDING", "HEAD", "split_layers", "stage_activation_bytes",
+           "defer_weight_grads", "run_weight_grads"]

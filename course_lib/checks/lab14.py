@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.costmodel import Link
 from ..core.model import GPT, GPTConfig
 from ..memopt.offload import mobius as MB
 from ..memory import SimulatedAccelerator, SimulatedOutOfMemoryError, fmt_bytes
@@ -176,7 +177,7 @@ def check_plan(plan_fn) -> None:
                if not torch.equal(p.grad, g)]
         c.expect(not bad, f"gradients differ from the reference in {bad[:3]}")
         fwd = [b / 1e9 for b in P]                        # stated costs: 1 s per GB of a stage's parameters
-        link = MB.Link("stated link", 0.0, 0.5e9)         # a load takes twice its stage's forward
+        link = Link("stated link", 0.0, 0.5e9)         # a load takes twice its stage's forward
         mine = MB.mobius_timeline(P, fwd, [3 * f for f in fwd], boundary_bytes=BOUNDARY, num_microbatches=M, link=link,
                                   plan=plan)
         best = MB.mobius_timeline(P, fwd, [3 * f for f in fwd], boundary_bytes=BOUNDARY, num_microbatches=M, link=link)

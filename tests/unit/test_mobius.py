@@ -1,12 +1,13 @@
-"""Mobius (course_lib.memopt.offload.mobius, mobius_cluster): stages in host memory, the next one prefetched; the
-gradients, the device peak, the bytes per step and the partition search against their closed forms
+"""Mobius (course_lib.memopt.offload.mobius: model, executor, cluster): stages in host memory, the next one
+prefetched; the gradients, the device peak, the bytes per step and the partition search against their closed forms
 (docs/formulas.md §14.1, §14.2)."""
 import pytest
 import torch
 
+from course_lib.core.costmodel import Link, get_link
 from course_lib.core.model import GPT, GPTConfig
 from course_lib.memopt.offload import mobius as MB
-from course_lib.memopt.offload import mobius_cluster as MC
+from course_lib.memopt.offload.mobius import cluster as MC
 from course_lib.memory import SimulatedAccelerator, SimulatedOutOfMemoryError
 
 CFG = GPTConfig(vocab_size=2048, seq_len=16, n_layer=4, n_head=2, d_model=32)   # embedding and head ≫ a block
@@ -69,7 +70,7 @@ def test_bad_bounds_are_refused():
 
 
 def test_timeline_stated_costs_prefetch_hides_a_load_shorter_than_the_compute():
-    link = MB.get_link("PCIe Gen4 x16")
+    link = get_link("PCIe Gen4 x16")
     P = [int(31.5e9 * 1e-3)] * 3                          # 1 ms loads (+ α)
     tl = MB.mobius_timeline(P, [2e-3] * 3, [4e-3] * 3, link=link)
     # only the first load and the last gradients are exposed
@@ -86,7 +87,7 @@ def test_search_beats_the_even_split_on_uneven_layers_with_stated_costs():
     fwd = [2 * (b / 4) * tokens / flops for b in ub]
     fwd[0] = 0.0                                           # the embedding is a lookup: no FLOPs
     bwd = [3 * f for f in fwd]                             # recompute + backward
-    link = MB.Link("slow link", 0.0, 2e9)
+    link = Link("slow link", 0.0, 2e9)
     even = MB.even_partition(CFG.n_layer, 3)
     Pe = MB.stage_sums(ub, even)
     t_even = MB.mobius_timeline(Pe, MB.stage_sums(fwd, even), MB.stage_sums(bwd, even), link=link).total

@@ -29,9 +29,9 @@ modeled); disk time is measured. Checked against (docs/formulas.md §6):
 
 Notebook 14's offload systems, on the same pieces:
 
-    mobius          Mobius (Feng et al., ASPLOS 2023): stages in host memory take turns on the device, the next one
-                    prefetched while one computes; its executor, timeline and partition search
-    mobius_cluster  Mobius on a modeled commodity server: GPUs behind shared PCIe switches (modeled)
+    mobius/         Mobius (Feng et al., ASPLOS 2023): stages in host memory take turns on the device, the next one
+                    prefetched while one computes — its model and partition search, its executor, and the modeled
+                    commodity server (GPUs behind shared PCIe switches)
     flashneuron     FlashNeuron (Bae et al., FAST'21): chosen layers' activations to an NVMe SSD and back
     decision        the decision picture: notebook 07's techniques with Mobius, vDNN and FlashNeuron (modeled)
 """

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.costmodel import Link, get_link
-from ..memory_fit import DEFAULT_LINK
+from ....core.costmodel import Link, get_link
+from ...memory_fit import DEFAULT_LINK
 
 
 @dataclass(frozen=True)

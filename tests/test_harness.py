@@ -168,7 +168,8 @@ def test_run_all_executes_and_tabulates(tmp_path):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "99_tiny.ipynb"
     nbformat.write(nb, path)
-    out = subprocess.run([sys.executable, "tools/run_all.py", str(path), "-p", "X", "2", "--out", str(tmp_path / "out")],
+    out = subprocess.run([sys.executable, "tools/run_all.py", str(path), "-p", "X", "2",
+                          "--out", str(tmp_path / "out")],
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"99_tiny\.ipynb\s+\d+\.\d\s+ok", out.stdout) and (tmp_path / "out").exists()

@@ -53,7 +53,8 @@ SEED_OF = {2: 3, 3: 7}
 
 def _tc(world_size: int, num_microbatches: int = 1, steps: int = STEPS) -> TrainConfig:
     seed = SEED_OF.get(world_size, 0)
-    return TrainConfig(steps=steps, batch_size=world_size * MICRO_BATCH_SIZE * num_microbatches, seed=seed, data_seed=seed)
+    return TrainConfig(steps=steps, batch_size=world_size * MICRO_BATCH_SIZE * num_microbatches, seed=seed,
+                       data_seed=seed)
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -277,7 +277,8 @@ def test_a_script_without_a_main_guard_is_told_so(tmp_path):
     """A spawned rank runs the caller's script again before its worker; unguarded, the launch in it fails there, before
     any traceback can be sent back: the error says what to change."""
     script = tmp_path / "unguarded.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {os.getcwd()!r})\nfrom course_lib.distributed.launch import launch\n"
+    script.write_text(f"import sys\nsys.path.insert(0, {os.getcwd()!r})\n"
+                      f"from course_lib.distributed.launch import launch\n"
                       f"def w(ctx):\n    return ctx.rank\nlaunch(w, 2, timeout=120, start_method='spawn')\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0

@@ -193,15 +193,15 @@ def test_bf16_mixed_precision_composes_and_trains_like_one_process_with_the_same
     single_moe = launch(_bf16, 1, [P(precision="bf16")], 8, moe, plan.dp * plan.num_microbatches,
                         timeout=120)[0][0]["losses"]
     res = launch(_bf16, 8, BF16 + [plan], 8, moe, timeout=300)
-    for i, plan in enumerate(BF16 + [plan]):
-        ranks, want = [r[i] for r in res], single_moe if plan.ep > 1 else single
+    for i, composed in enumerate(BF16 + [plan]):
+        ranks, want = [r[i] for r in res], single_moe if composed.ep > 1 else single
         for s in range(STEPS):
             losses = [c["losses"][s] for c in ranks if c["losses"][s] == c["losses"][s]]
             mean = sum(losses) / len(losses)
-            assert abs(mean - want[s]) <= 2 ** -7 * want[s], (plan.describe(), s, mean, want[s])
+            assert abs(mean - want[s]) <= 2 ** -7 * want[s], (composed.describe(), s, mean, want[s])
         # FSDP keeps fp32 shards (the masters) and casts its gathers; the others hold bf16 compute copies
         # (ZeRO-Offload included: its fp32 masters and Adam state live on the host)
-        assert all(c["dtypes"] == ({torch.float32} if plan.zero == 3 else {torch.bfloat16}) for c in ranks)
+        assert all(c["dtypes"] == ({torch.float32} if composed.zero == 3 else {torch.bfloat16}) for c in ranks)
 
 
 # ------------------------------------------------------------------------------------------ experts on the mesh
@@ -319,7 +319,7 @@ def _check_moe(world, cases):
 @pytest.mark.parametrize("world", sorted(MOE))
 def test_experts_with_a_collapsed_router_odd_ep_and_unused_experts_train_like_one_process(world):
     report, res = _check_moe(world, MOE[world])
-    for i, (plan, overrides, collapsed) in enumerate(MOE[world]):
+    for i, (plan, _overrides, collapsed) in enumerate(MOE[world]):
         if collapsed:              # the case is what it says: only the ep rank holding expert 0 receives rows
             assert all(r[i]["dropped"] > 0 for r in res)       # and its capacity overflows: tokens are dropped
             got = [r[i]["received"] for r in res]

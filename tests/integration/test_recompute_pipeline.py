@@ -1,7 +1,8 @@
 """Recomputation inside pipeline stages (course_lib.memopt.recompute × course_lib.parallel.pipeline) on real gloo
 ranks: a stage with dropout runs and holds exactly what its schedule predicts; with each stage's blocks recomputed
-(`parallelize` with `ParallelPlan(pp=S, recompute=policy)`: `apply_recompute` on the `PipelineStage`), the activation peak of every stage is (m − 1)·held + work — m
-micro-batches in flight (1F1B: S − stage), `held` what one keeps from F to B, `work` its working set in B —
+(`parallelize` with `ParallelPlan(pp=S, recompute=policy)`: `apply_recompute` on the `PipelineStage`), the activation
+peak of every stage is (m − 1)·held + work — m micro-batches in flight (1F1B: S − stage), `held` what one keeps from
+F to B, `work` its working set in B —
 exactly, and the gradients are bitwise those of the same pipeline without recomputation (float32, dropout on) and
 equal the single-process reference (float64, dropout off).
 

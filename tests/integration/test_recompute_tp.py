@@ -65,8 +65,8 @@ def _all(ctx, meshes, ref_grads):
 @functools.cache
 def _reference():
     model = GPT(CFG).double()
-    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, GLOBAL_B), steps=1,
-            probes=[GradProbe()])
+    r = run(model, optim.build(model, **optimizer_kwargs(TrainConfig())), ShardedBatches(CFG.seq_len, GLOBAL_B),
+            steps=1, probes=[GradProbe()])
     return r.losses[0], {k: v.detach() for k, v in r["grads"].items()}
 
 

@@ -28,7 +28,8 @@ def _course_kernelspec() -> dict:
 def test_an_untouched_notebook_opens_unmodified(path):
     """JupyterLab sets the notebook's kernelspec and language_info from the running kernel and marks the notebook
     modified when either differs from what is stored (a deep comparison), so they must be stored in full.
-    Fails until the notebooks are normalised: python tools/nbfmt.py notebooks/*.ipynb solutions/*.ipynb, then make labs."""
+    Fails until the notebooks are normalised: python tools/nbfmt.py notebooks/*.ipynb solutions/*.ipynb,
+    then make labs."""
     meta = read(path).metadata
     assert dict(meta.get("kernelspec", {})) == _course_kernelspec(), f"{rel(path)}: kernelspec differs"
     stored = dict(meta.get("language_info", {}))

@@ -1,6 +1,6 @@
 """Lectures and lab solutions run with ranks that are not forked — the path macOS (forkserver), Windows (spawn) and
-NCCL take (course_lib.distributed.start) — on every `make test`: a representative set here, every notebook and solution in
-`make test-spawn` (COURSE_START_METHOD for the whole run).
+NCCL take (course_lib.distributed.start) — on every `make test`: a representative set here, every notebook and solution
+in `make test-spawn` (COURSE_START_METHOD for the whole run).
 
 Each runs under papermill at its defaults in a fresh kernel whose COURSE_START_METHOD makes every `launch` in it use
 that method, so the workers defined in its cells travel by value; its own asserts check every number, as under fork.

@@ -60,8 +60,8 @@ def test_prefetching_stream_equals_the_single_process_reader(built):
     index, blobs = built
     single = R.GlobalBatches(MemorySource(blobs), index, micro_batch_size=3, dp_size=3, num_microbatches=2, seed=1,
                              shuffle_buffer=50)
-    ranks = [R.StreamingBatches(MemorySource(blobs), index, micro_batch_size=3, num_microbatches=2, dp_rank=r, dp_size=3,
-                                seed=1, shuffle_buffer=50, prefetch=3, workers=2) for r in range(3)]
+    ranks = [R.StreamingBatches(MemorySource(blobs), index, micro_batch_size=3, num_microbatches=2, dp_rank=r,
+                                dp_size=3, seed=1, shuffle_buffer=50, prefetch=3, workers=2) for r in range(3)]
     steps = int(2.5 * ranks[0].steps_per_epoch)                          # across two epoch boundaries
     for step in range(steps):
         for micro in range(2):

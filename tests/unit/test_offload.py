@@ -299,7 +299,7 @@ def test_activation_offload_refuses_what_it_cannot_handle():
     x, _ = _micro_batches(cfg, 2, 1)[0]
     with pytest.raises(RuntimeError, match="apply it to the model that is called"):
         stage(x)
-    handle_of(model, "activation_offload").remove()                                   # hooks off: the stage runs plainly
+    handle_of(model, "activation_offload").remove()                          # hooks off: the stage runs plainly
     assert handle_of(model, "activation_offload") is None and stage(x).shape == (2, cfg.seq_len, cfg.d_model)
     apply_recompute(model, policy="full")
     with pytest.raises(ValueError, match="offload or recompute a block, not both"):

@@ -221,7 +221,8 @@ def test_apply_recompute_keeps_names_and_can_be_replaced_or_removed():
     n_hooks = sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks)
     assert n_hooks == 4
     remove_recompute(model)
-    assert handle_of(model, "recompute") is None and not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
+    assert handle_of(model, "recompute") is None
+    assert not any(b._forward_pre_hooks or b._forward_hooks for b in model.blocks)
 
 
 class _Wrapper(torch.nn.Module):

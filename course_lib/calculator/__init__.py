@@ -18,9 +18,9 @@ analytic and *modeled* (docs/formulas.md §15). It composes formulas the course 
 from .config import RECIPES, CalculatorError, Cluster, Decoder, Job, check_job, ends_split, validate
 from .cost import Prices, break_even_utilisation, job_cost
 from .memory import checkpoint_bytes, memory_per_device, param_count
-from .planner import Plan, decision_flow, evaluate, plan
+from .planner import Search, decision_flow, evaluate, search
 from .step_time import IDEAL, Efficiency
 
 __all__ = ["RECIPES", "CalculatorError", "Cluster", "Decoder", "Job", "check_job", "ends_split", "validate", "Prices",
-           "break_even_utilisation", "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Plan",
-           "decision_flow", "evaluate", "plan", "IDEAL", "Efficiency"]
+           "break_even_utilisation", "job_cost", "checkpoint_bytes", "memory_per_device", "param_count", "Search",
+           "decision_flow", "evaluate", "search", "IDEAL", "Efficiency"]

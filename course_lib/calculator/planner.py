@@ -2,7 +2,7 @@
 (with the reason), the rest ranked by modeled step time, and the choice explained in the survey's decision-flow
 terms (formulas §15.7). All of it is *modeled*: `memory.memory_per_device` and `step_time.step_time`.
 
-    p = plan(model, cluster, batch=1536, world=1024)
+    p = search(model, cluster, batch=1536, world=1024)
     p.best, p.ranked[:5], p.rejected[:5], p.explain()
     decision_flow(p)      # the survey's questions, each answered from p's options (capstone_plots draws it)
     p.place(job)          # where a given (e.g. published) configuration ranks, and its time ÷ the best's
@@ -41,7 +41,7 @@ class Option:
 
 
 @dataclass
-class Plan:
+class Search:
     model: Decoder
     cluster: Cluster
     batch: int
@@ -142,8 +142,8 @@ def evaluate(m: Decoder, cluster: Cluster, job: Job, eff: Efficiency = IDEAL, wo
     return opt
 
 
-def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff: Efficiency = IDEAL,
-         **restrict) -> Plan:
+def search(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff: Efficiency = IDEAL,
+         **restrict) -> Search:
     """Enumerate, check, fit and rank (module docstring). `world` defaults to the cluster's device count;
     `restrict` goes to `candidates` (a technique set)."""
     world = cluster.num_devices if world is None else world
@@ -157,7 +157,7 @@ def plan(m: Decoder, cluster: Cluster, batch: int, world: int | None = None, eff
     if world > cluster.num_devices:
         raise CalculatorError(f"world={world} devices but {cluster.name} has {cluster.num_devices}; use fewer, or a "
                               f"larger cluster")
-    p = Plan(m, cluster, batch, world)
+    p = Search(m, cluster, batch, world)
     p._eff = eff
     for offload in (False, True):
         jobs = candidates(m, cluster, batch, world, offload=offload, **restrict)
@@ -188,16 +188,16 @@ class Decision:
     evidence: str
 
 
-def _best(p: Plan, pred) -> Option | None:
+def _best(p: Search, pred) -> Option | None:
     return next((o for o in p.ranked if pred(o.job)), None)
 
 
-def _leanest_rejected(p: Plan, pred) -> Option | None:
+def _leanest_rejected(p: Search, pred) -> Option | None:
     """The rejected option (of those `pred` selects) that comes closest to fitting."""
     return min((o for o in p.rejected if pred(o.job) and o.memory), key=lambda o: o.memory["total"], default=None)
 
 
-def decision_flow(p: Plan) -> list[Decision]:
+def decision_flow(p: Search) -> list[Decision]:
     """The survey's decision flow (formulas §15.7) in its order — data parallelism first, then ZeRO-3 or a
     pipeline, tensor parallelism inside a node, CP for long sequences, EP for experts, recomputation, offload —
     each question answered from the options this plan fitted and ranked. `explain` prints it;
@@ -291,7 +291,7 @@ def decision_flow(p: Plan) -> list[Decision]:
     return flow
 
 
-def explain(p: Plan) -> list[str]:
+def explain(p: Search) -> list[str]:
     """The choice in the survey's decision-flow terms: the best option, then the evidence of each decision of
     `decision_flow` (each line backed by two options of this plan), then the fastest rejected option."""
     best = p.best
@@ -304,4 +304,4 @@ def explain(p: Plan) -> list[str]:
     return lines
 
 
-__all__ = ["Option", "Plan", "Decision", "candidates", "evaluate", "plan", "decision_flow", "explain"]
+__all__ = ["Option", "Search", "Decision", "candidates", "evaluate", "search", "decision_flow", "explain"]

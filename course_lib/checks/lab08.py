@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .. import optim
 from ..core.data import ShardedBatches
 from ..core.model import GPT, block_activation_bytes, get_config
-from ..memopt.recompute import Plan, Unit, apply_recompute, checkpoint, make_plan, torch_policy
+from ..memopt.recompute import RecomputePlan, Unit, apply_recompute, checkpoint, make_plan, torch_policy
 from ..memopt.recompute.costs import BlockCost, ChainCosts, formula_costs, plan_extra, plan_peak
 from ..memopt.recompute.measured import FlopProbe, activation_peak
 from ..memory import MemoryTracker
@@ -196,7 +196,7 @@ def check_greedy_plan(greedy_segments) -> None:
         rows = []
         for per_segment in (2, 3):
             segments = greedy_segments(saved, per_segment * saved[0])
-            plan = Plan([Unit(a, b, "full") for a, b in segments], f"greedy {per_segment}")
+            plan = RecomputePlan([Unit(a, b, "full") for a, b in segments], f"greedy {per_segment}")
             peak, extra, grads = _train_step(CFG, plan)
             want_peak, want_extra = plan_peak(plan, f), plan_extra(plan, f)
             bound = sum(b.fwd_flops for b in f.blocks)

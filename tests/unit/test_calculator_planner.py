@@ -2,7 +2,7 @@
 step time, explained in decision-flow terms; the published configurations placed among its options."""
 import pytest
 
-from course_lib.calculator import CalculatorError, Cluster, Decoder, Job, plan
+from course_lib.calculator import CalculatorError, Cluster, Decoder, Job, search
 from course_lib.calculator import published as P
 
 NODE = Cluster("A100 ×8", 80e9, 312e12, 8, "NVLink 4", "InfiniBand NDR", num_devices=16)
@@ -10,7 +10,7 @@ MODEL = Decoder("GPT 13B", 40, 5120, 32, 51200, 2048)
 
 
 def test_plan_ranks_fitting_options_fastest_first_and_rejects_with_reasons():
-    p = plan(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency())
+    p = search(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency())
     secs = [o.seconds for o in p.ranked]
     assert secs == sorted(secs) and all(o.memory["fits"] for o in p.ranked)
     assert p.rejected and all(o.reason and "\n" not in o.reason for o in p.rejected)
@@ -25,7 +25,7 @@ def test_plan_ranks_fitting_options_fastest_first_and_rejects_with_reasons():
 
 def test_a_model_that_fits_nowhere_says_what_to_change():
     huge = Decoder("GPT 1T", 128, 25600, 160, 51200, 2048)
-    p = plan(huge, NODE, batch=16, world=16)
+    p = search(huge, NODE, batch=16, world=16)
     with pytest.raises(CalculatorError, match="fits nowhere.*use more devices"):
         _ = p.best
 
@@ -33,10 +33,10 @@ def test_a_model_that_fits_nowhere_says_what_to_change():
 def test_a_world_no_mesh_divides_is_refused():
     # 41 devices: dp 41 does not divide the batch, and 41 pipeline stages would leave 40 layers one short
     with pytest.raises(CalculatorError, match="no mesh divides world=41"):
-        plan(MODEL, NODE.__class__("x", 80e9, 312e12, 8, "NVLink 4", "InfiniBand NDR", num_devices=41), batch=64,
+        search(MODEL, NODE.__class__("x", 80e9, 312e12, 8, "NVLink 4", "InfiniBand NDR", num_devices=41), batch=64,
              world=41)
     # 7 devices: 40 layers on 7 stages, the first and last two stages one layer lighter (6·7 − 40 = 2)
-    p = plan(MODEL, NODE.__class__("x", 80e9, 312e12, 8, "NVLink 4", "InfiniBand NDR", num_devices=7), batch=63,
+    p = search(MODEL, NODE.__class__("x", 80e9, 312e12, 8, "NVLink 4", "InfiniBand NDR", num_devices=7), batch=63,
              world=7)
     assert {o.job.stage_layers for o in p.ranked + p.rejected if o.job.pp == 7} == {"ends"}
 
@@ -45,7 +45,7 @@ def test_published_korthikanti_configurations_rank_near_the_planners_best():
     eff = P.fitted_efficiency()
     places = {}
     for r in P.korthikanti_table5():
-        p = plan(r["model"], r["cluster"], r["job"].batch, r["job"].world, eff)
+        p = search(r["model"], r["cluster"], r["job"].batch, r["job"].world, eff)
         places[r["key"]] = pl = p.place(r["job"])
         # every published run within 31 % of the planner's best (22B: 1.30, its 4-sequence micro-batch on one
         # node; the planner prefers ZeRO-3 over 4 × tp2 there)
@@ -67,7 +67,7 @@ def test_the_planner_tries_every_divisor_of_the_layers_per_stage_as_interleaved_
 
 
 def test_a_job_the_planner_rejects_is_placed_with_its_reason():
-    p = plan(MODEL, NODE, batch=64, world=16)
+    p = search(MODEL, NODE, batch=64, world=16)
     pl = p.place(Job(batch=64, dp=16, zero=0))
     assert pl["fits"] is False and "GB per device" in pl["reason"] and pl["ratio"] > 0   # placed by its time
     bad = p.place(Job(batch=64, dp=4, tp=2))
@@ -78,13 +78,13 @@ def test_the_decision_flow_answers_each_question_from_the_plans_own_options():
     from course_lib.calculator import decision_flow, evaluate
     from course_lib.calculator.planner import candidates
     eff = P.fitted_efficiency()
-    small = plan(MODEL.replace(name="GPT 1.3B", n_layer=24, d_model=2048, n_head=16), NODE, batch=64, world=16,
+    small = search(MODEL.replace(name="GPT 1.3B", n_layer=24, d_model=2048, n_head=16), NODE, batch=64, world=16,
                  eff=eff)
     first = decision_flow(small)[0]
     assert first.answer == "yes" and first.taken and small.best.job.tp == small.best.job.pp == 1
 
     long = MODEL.replace(name="GPT 13B, 32K", seq_len=32768)
-    p = plan(long, NODE, batch=16, world=16, eff=eff)
+    p = search(long, NODE, batch=16, world=16, eff=eff)
     flow = decision_flow(p)
     by_q = {d.question.split("?")[0].split(" (")[0]: d for d in flow}
     assert "Long sequences" in by_q and not any(d.question.startswith("Mixture") for d in flow)
@@ -95,7 +95,7 @@ def test_the_decision_flow_answers_each_question_from_the_plans_own_options():
                                                                             else "yes")
     assert p.explain() == [p.explain()[0]] + [d.evidence for d in flow if d.evidence] + [p.explain()[-1]]
 
-    moe = plan(MODEL.replace(name="MoE", n_layer=24, d_model=2048, n_head=16, n_expert=8), NODE, batch=64,
+    moe = search(MODEL.replace(name="MoE", n_layer=24, d_model=2048, n_head=16, n_expert=8), NODE, batch=64,
                world=16, eff=eff)
     ep = [d for d in decision_flow(moe) if d.question.startswith("Mixture")]
     assert len(ep) == 1 and f"ep={moe.best.job.ep}" in ep[0].evidence
@@ -108,7 +108,7 @@ def test_the_decision_flow_picture_draws_each_answer_and_fills_what_the_best_opt
 
     from course_lib.calculator import decision_flow
     from course_lib.capstone.plots import plot_decision_flow
-    flow = decision_flow(plan(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency()))
+    flow = decision_flow(search(MODEL, NODE, batch=64, world=16, eff=P.fitted_efficiency()))
     ax = plot_decision_flow(flow)
     texts = {t.get_text(): t for t in ax.texts}
     for d in flow:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from course_lib.calculator import CalculatorError, Cluster, Decoder, Job, Prices, memory_per_device, plan, validate
+from course_lib.calculator import CalculatorError, Cluster, Decoder, Job, Prices, memory_per_device, search, validate
 from course_lib.calculator.step_time import Efficiency, step_time
 from course_lib.core.costmodel import Link
 
@@ -35,7 +35,7 @@ def test_every_entry_point_refuses_bad_input_with_one_line(model, job, words):
         assert all(w in str(e.value) for w in words), str(e.value)
     # the planner's placement of the same job carries the same line
     if job.world <= NODE.num_devices:
-        p = plan(model, NODE, batch=64 if job.batch % 64 == 0 else 8 * 64, world=job.world)
+        p = search(model, NODE, batch=64 if job.batch % 64 == 0 else 8 * 64, world=job.world)
         assert p.place(job)["reason"] == str(pytest.raises(CalculatorError, validate, model, NODE, job).value)
 
 
@@ -68,7 +68,7 @@ def test_bad_shapes_clusters_and_prices_are_refused_when_made(make, words):
 
 def test_the_planner_refuses_a_world_beyond_the_cluster_and_non_objects():
     with pytest.raises(CalculatorError, match="world=128 devices but A100 has 64"):
-        plan(GPT, NODE, batch=128, world=128)
+        search(GPT, NODE, batch=128, world=128)
     with pytest.raises(CalculatorError, match="expected a Decoder"):
         validate("GPT", NODE, Job(batch=8))
 

@@ -15,7 +15,6 @@ from course_lib.core.handles import handle_of
 from course_lib.core.model import GPT, activation_bytes, block_activation_bytes, get_config, lm_loss
 from course_lib.memopt.recompute import (
     CheckpointError,
-    Plan,
     RecomputePlan,
     Unit,
     all_but_matmuls,
@@ -193,7 +192,7 @@ def test_apply_recompute_rejects_bad_policies_with_the_fix(bad, match):
 
 def test_plans_must_cover_every_block_once():
     with pytest.raises(ValueError, match="without gaps"):
-        Plan([Unit(0, 1, "store"), Unit(2, 3, "full")])
+        RecomputePlan([Unit(0, 1, "store"), Unit(2, 3, "full")])
     with pytest.raises(ValueError, match="one block"):
         Unit(0, 2, "selective")
     assert str(make_plan("sqrt", 9)) == "[F F F] [F F F] [F F F]" and str(make_plan("every", 5, k=2)) == \
@@ -237,7 +236,7 @@ class _Wrapper(torch.nn.Module):
 
 
 def test_apply_recompute_changes_the_model_in_place_and_reaches_through_wrappers():
-    assert Plan is RecomputePlan
+    assert RecomputePlan is RecomputePlan
     model = GPT("nano")
     assert apply_recompute(model, policy="full") is model
     wrapped = _Wrapper(GPT("nano"))
@@ -353,7 +352,7 @@ def test_every_plan_peak_and_flops_equal_the_formula_through_the_training_loop(d
     costs = formula_costs(cfg, 2)
     peak, extra, ref, losses = _measure(cfg, None, 2)
     assert (peak, extra) == (activation_bytes(cfg, 2), 0) == (plan_peak(make_plan("none", 5), costs), 0)
-    mixed = Plan([Unit(0, 1, "selective"), Unit(1, 3, "full"), Unit(3, 4, "store"), Unit(4, 5, "full")])
+    mixed = RecomputePlan([Unit(0, 1, "selective"), Unit(1, 3, "full"), Unit(3, 4, "store"), Unit(4, 5, "full")])
     plans = [make_plan(p, 5) for p in ("full", "sqrt", "selective")] + [make_plan("every", 5, k=2), mixed]
     for plan in plans:
         peak, extra, grads, plan_losses = _measure(cfg, plan, 2)
@@ -456,7 +455,7 @@ def _all_plans(n):
 def test_the_dynamic_program_finds_the_brute_force_optimum_at_every_budget(name, overrides):
     cfg = get_config(name, **overrides)
     costs = formula_costs(cfg, 2)
-    plans = [Plan(units) for units in _all_plans(cfg.n_layer)]
+    plans = [RecomputePlan(units) for units in _all_plans(cfg.n_layer)]
     assert len(plans) == len({str(p) for p in plans})
     scored = [(plan_peak(p, costs), plan_extra(p, costs), p) for p in plans]
     front = pareto_front(costs)

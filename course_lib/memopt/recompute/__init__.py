@@ -79,7 +79,6 @@ class RecomputePlan:
                         "[" + " ".join("F" * (u.end - u.start)) + "]" for u in self.units)
 
 
-Plan = RecomputePlan          # the name notebooks 08 and lab 08 use; `RecomputePlan` beside the pipeline's plans
 
 
 def make_plan(policy: str, n_layer: int, k: int | None = None) -> RecomputePlan:
@@ -213,6 +212,6 @@ def _close_segment(out, last: bool) -> None:
         seg.__exit__(None, None, None)
 
 
-__all__ = ["apply_recompute", "remove_recompute", "make_plan", "RecomputePlan", "Plan", "Unit", "KINDS", "POLICIES",
+__all__ = ["apply_recompute", "remove_recompute", "make_plan", "RecomputePlan", "Unit", "KINDS", "POLICIES",
            "checkpoint", "Segment", "Ticket", "CheckpointError", "RECOMPUTED", "recompute_all", "attention_core",
            "all_but_matmuls", "MATMULS", "torch_policy"]

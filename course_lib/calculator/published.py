@@ -17,14 +17,14 @@ import json
 from dataclasses import replace
 from decimal import Decimal
 from functools import cache
-from pathlib import Path
 
 from ..core.costmodel import PRESETS, Link
+from ..core.files import data_dir
 from .config import Cluster, Decoder, Job
 from .memory import layer_activation_terms, model_states
 from .step_time import IDEAL, Efficiency, narayanan_flops, step_time
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "published"
+DATA = data_dir() / "published"     # the repository's, or a plain pip install's copy
 MEGATRON_NOTE = ("micro-batch 1 and 1F1B assumed (Table 1 prints neither); gradients all-reduced after the backward "
                  "pass, as Megatron-LM of 2021 does")
 LLAMA_V = 2

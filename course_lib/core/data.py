@@ -8,22 +8,14 @@ loss is a mean, averaging the ranks' gradients reproduces the single-process gra
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
+from .files import data_dir
 
-def _data_dir() -> Path:
-    """The repository's data/ (a clone, an editable install), else the copy a plain `pip install` of the course
-    puts under sys.prefix/share/llm-systems-course/data (pyproject.toml's data-files)."""
-    repo = Path(__file__).resolve().parents[2] / "data"
-    return repo if repo.is_dir() else Path(sys.prefix, "share", "llm-systems-course", "data")
-
-
-DATA_DIR = _data_dir()
+DATA_DIR = data_dir()
 CORPUS_PATH = DATA_DIR / "python_docs.txt"
 CORPUS_SHA256 = "2a95af4ac93f5b719944030ce3769070ddf827d847cba42192afa8da989e5dc4"
 VAL_FRACTION = 0.1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -81,4 +82,11 @@ def is_temporary(path) -> bool:
     return ".tmp-" in Path(path).name and Path(path).name.startswith(".")
 
 
-__all__ = ["atomic_write", "disk_full", "fsync_dir", "is_temporary"]
+
+def data_dir() -> Path:
+    """The course's data/ folder: the repository's (a clone, an editable install), else the copy a plain
+    `pip install` of the course puts under sys.prefix/share/llm-systems-course/data (pyproject.toml's data-files)."""
+    repo = Path(__file__).resolve().parents[2] / "data"
+    return repo if repo.is_dir() else Path(sys.prefix, "share", "llm-systems-course", "data")
+
+__all__ = ["data_dir", "atomic_write", "disk_full", "fsync_dir", "is_temporary"]

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from ...core.handles import attach, inherit
-from ...core.model import activation_bytes, blocks_of, get_config, lm_loss
+from ...core.model import GPT, activation_bytes, blocks_of, get_config, lm_loss
 from ...distributed.mesh import axis_comm
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -312,16 +312,10 @@ class ContextParallelGPT(nn.Module):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets.index_select(1, self._positions(targets.shape[1])))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        loss = None if targets is None else self.loss(logits, targets)
-        if loss is not None and self.config.n_expert:      # the load-balancing loss of this rank's tokens' routing
-            from ...core.model import moe_aux_loss
-            loss = loss + moe_aux_loss(self)
-        return logits, loss
+    # the GPT's own forward (embed → blocks → head → loss, + the load-balancing loss of this rank's tokens' routing)
+    # over this rank's pieces: its positions' embedding, ring attention in the blocks, the loss on its tokens
+    forward = GPT.forward
+    aux_loss = GPT.aux_loss
 
 
 def _ring_attend(q, k, v, *, comm, layout):
@@ -332,7 +326,6 @@ def _ring_attend(q, k, v, *, comm, layout):
 def apply_cp(model, mesh_or_comm, *, layout: str = "zigzag") -> ContextParallelGPT:
     """Context parallelism over the cp axis: the course GPT (same seed on every rank) as this rank's
     `ContextParallelGPT`. Apply data parallelism over `mesh.group("dp", "cp")` afterwards."""
-    from ...core.model import GPT
     if not isinstance(model, GPT):
         raise TypeError(f"apply_cp splits the course GPT's sequence (course_lib.core.model.GPT), got "
                         f"{type(model).__name__}; apply it before the other techniques")

@@ -25,6 +25,15 @@ import nbfmt  # noqa: E402
 lectures_and_solutions = pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS, ids=rel)
 
 
+
+def _targets(node) -> list:
+    """What an assignment, augmented or annotated assignment, for loop or comprehension binds (else nothing)."""
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension)):
+        return [node.target]
+    return []
+
 def test_there_is_at_least_the_orientation_notebook_and_one_lab():
     assert (ROOT / "notebooks" / "00_orientation.ipynb") in NOTEBOOKS and SOLUTIONS
 
@@ -216,9 +225,7 @@ def _constant_names(nb) -> set:
         except SyntaxError:
             continue
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension)) else []
-            for t in targets:
+            for t in _targets(node):
                 for n in ast.walk(t):
                     if isinstance(n, ast.Name):
                         assigned.setdefault(n.id, []).append(node.value if isinstance(node, ast.Assign) else None)
@@ -274,9 +281,7 @@ def _single_assignments(nb) -> dict:
         if id(nb.cells[i]) in params:
             continue
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension)) else []
-            for t in targets:
+            for t in _targets(node):
                 for n in ast.walk(t):
                     if isinstance(n, ast.Name):
                         one = isinstance(node, ast.Assign) and len(node.targets) == 1 and t is node.targets[0] \

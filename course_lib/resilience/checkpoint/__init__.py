@@ -35,16 +35,16 @@ from __future__ import annotations
 
 from ...core.files import atomic_write, disk_full, fsync_dir  # noqa: F401  (re-exported: notebook 10 and lab 10 use them here)
 from .fileformat import (  # noqa: F401
-                                FORMAT,
-                                MANIFEST,
-                                META,
-                                CheckpointError,
-                                CheckpointMismatch,
-                                CheckpointWarning,
-                                CorruptCheckpoint,
-                                NoCheckpoint,
-                                list_checkpoints,
-                                step_name,
+    FORMAT,
+    MANIFEST,
+    META,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    NoCheckpoint,
+    list_checkpoints,
+    step_name,
 )
 from .load import Resumed, _fill, consolidate, find_latest, load, verify, verify_files, verify_shapes  # noqa: F401
 from .save import Snapshot, agree_run_id, persist, save, snapshot  # noqa: F401
